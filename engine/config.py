@@ -1,0 +1,58 @@
+"""Engine settings in one frozen dataclass; derived values are resolved once the model is known."""
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs and with which limits.
+
+    model: a HF checkpoint directory; None means the built-in default model (random weights).
+    dtype: "auto" (float32 on CPU, the checkpoint's 16-bit dtype on CUDA), "float32", "bfloat16", "float16".
+    kv_cache_memory_bytes: byte budget of the KV cache; None means 1 GiB on CPU and
+        `gpu_memory_utilization` of the GPU's memory, less what the model and a warm-up step use, on CUDA.
+    max_model_len: context window; None means the model's.
+    max_num_batched_tokens: per-step token budget; None means max(2048, max_model_len).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    watermark_fraction: float = 0.01
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 <= self.watermark_fraction < 1:
+            raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            dtype = getattr(torch, self.dtype, None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            return dtype
+        if device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

@@ -1,0 +1,42 @@
+"""`LLM`: the offline API — give it prompts, get back finished outputs in order."""
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config_overrides) -> None:
+        self.engine = LLMEngine(replace(EngineConfig(model=model), **config_overrides))
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts through the continuously batched engine; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        request_ids = []
+        try:
+            for prompt, prompt_params in zip(prompts, params_list, strict=True):
+                prompt = prompt if isinstance(prompt, str) else list(prompt)
+                request_ids.append(self.engine.add_request(prompt, prompt_params))
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,72 @@
+"""Build a model from a HF checkpoint directory: config.json plus safetensors (single or sharded)."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
+
+# Buffers some checkpoints carry that kvserve recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files do not match the model its config describes."""
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    model_dir = Path(model_dir)
+    config = load_decoder_config(model_dir)
+    model = DecoderForCausalLM(config)
+    _load_weights(model, _safetensors_files(model_dir))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_decoder_config(model_dir: Path) -> DecoderConfig:
+    return decoder_config_from_hf(AutoConfig.from_pretrained(str(model_dir)))
+
+
+def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
+    """The dtype the checkpoint declares in config.json, if any."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
+    parameters = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt") as shard:
+                for name in shard.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name.endswith(_IGNORED_SUFFIXES) or (
+                        name == "lm_head.weight" and model.config.tie_word_embeddings
+                    ):
+                        continue
+                    if name not in parameters:
+                        raise CheckpointError(f"unexpected weight {name!r} in {path.name}")
+                    tensor = shard.get_tensor(name)
+                    if tensor.shape != parameters[name].shape:
+                        raise CheckpointError(
+                            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(parameters[name].shape)}"
+                        )
+                    parameters[name].copy_(tensor)
+                    loaded.add(name)
+    missing = sorted(set(parameters) - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,106 @@
+"""Rotary position embeddings: inverse frequencies for the rope types Llama, Mistral and Qwen use."""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class UnsupportedRopeError(ValueError):
+    """The checkpoint asks for a rope type kvserve does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """`parameters` is the checkpoint's rope dict (HF `rope_parameters`: rope_type, factor, ...)."""
+
+    head_dim: int
+    theta: float
+    rope_type: str = "default"
+    parameters: dict = field(default_factory=dict)
+
+
+def inverse_frequencies(config: RopeConfig) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [head_dim // 2], attention_factor that scales cos and sin)."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.theta**exponents)
+    params = config.parameters
+    if config.rope_type == "default":
+        return inv_freq, 1.0
+    if config.rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if config.rope_type == "llama3":
+        return _llama3(inv_freq, params), 1.0
+    if config.rope_type == "yarn":
+        return _yarn(config, params)
+    raise UnsupportedRopeError(f"rope type {config.rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth blend between."""
+    factor = params["factor"]
+    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
+    original_len = params["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = (original_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    scaled = torch.where(wavelength > original_len / low_freq_factor, inv_freq / factor, blended)
+    return torch.where(wavelength < original_len / high_freq_factor, inv_freq, scaled)
+
+
+def _yarn(config: RopeConfig, params: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention."""
+    dim, base = config.head_dim, config.theta
+    factor = params["factor"]
+    original_len = params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor, 1.0)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    position_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / position_freqs, 1.0 / (factor * position_freqs)
+    inv_freq = interpolated * ramp + extrapolated * (1 - ramp)
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin per position, applied to packed [num_tokens, heads, head_dim] tensors."""
+
+    def __init__(self, config: RopeConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, attention_factor = inverse_frequencies(config)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated_half * sin

@@ -1,0 +1,78 @@
+"""Per-request sampling and stopping settings, validated at the engine boundary."""
+
+import math
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `temperature == 0` is greedy decoding. `top_k <= 0` and `top_p == 1` disable those filters.
+    `logprobs=N` returns the sampled token's log-probability and the N most likely alternatives,
+    computed from the model's raw logits (before penalties and temperature).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise `InvalidRequestError` naming the first field out of range (NaN included)."""
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0, high=100.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
+        _check_int("top_k", self.top_k, low=-1)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_inclusive=False)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidRequestError(name, f"must be {bounds}, got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float, low_inclusive: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or value > high:
+        bounds = f"[{low}, {high}]" if low_inclusive else f"({low}, {high}]"
+        raise InvalidRequestError(name, f"must be in {bounds}, got {value}")

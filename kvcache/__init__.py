@@ -1,0 +1,15 @@
+"""Paged KV cache: block allocation, per-request block tables, cache tensors and their sizing."""
+
+from kvcache.block_allocator import BlockAllocator, DoubleFreeError, KVCacheError, OutOfBlocksError
+from kvcache.cache_tensors import KVCache, KVCacheSpec
+from kvcache.usage import KVUsage
+
+__all__ = [
+    "BlockAllocator",
+    "DoubleFreeError",
+    "KVCache",
+    "KVCacheError",
+    "KVCacheSpec",
+    "KVUsage",
+    "OutOfBlocksError",
+]

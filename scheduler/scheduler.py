@@ -1,0 +1,145 @@
+"""Continuous batching: FCFS admission under KV-block and token budgets, preemption by recompute.
+
+Every step schedules "N new tokens per request" in one batch: a request's whole uncomputed
+tail (the prompt on first run, everything again after a preemption) or, when decoding, its one
+last sampled token. Running requests are served oldest first; when one cannot grow, the most
+recently admitted request is preempted (its blocks freed, put back at the front of the queue).
+"""
+
+from collections import deque
+
+from kvcache import BlockAllocator, KVUsage
+from scheduler.config import SchedulerConfig
+from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order, oldest first
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older request
+            num_new_tokens = request.num_uncomputed_tokens
+            if num_new_tokens > token_budget:
+                continue
+            if not self._grow_or_preempt(request, num_new_tokens, preempted):
+                continue
+            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            token_budget -= num_new_tokens
+        if not preempted:
+            self._admit_waiting(token_budget, scheduled)
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+        """Record a finished step: computed tokens advance, sampling requests get their token.
+
+        `sampled_token_ids` holds one id per scheduled request that samples, in schedule order.
+        """
+        sampled = iter(sampled_token_ids)
+        for item in output.scheduled:
+            samples = item.samples_next_token
+            item.request.num_computed_tokens += item.num_new_tokens
+            if samples:
+                item.request.output_token_ids.append(next(sampled))
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Take a request out of the queues, wherever it is, and free its blocks at once."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release_blocks(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request
+
+    def kv_usage(self) -> KVUsage:
+        return KVUsage(
+            num_total_blocks=self.allocator.num_blocks,
+            num_used_blocks=self.allocator.num_used_blocks,
+            num_live_tokens=sum(request.num_computed_tokens for request in self.running),
+            block_size=self.block_size,
+        )
+
+    def _num_blocks_to_add(self, request: Request, num_new_tokens: int) -> int:
+        num_tokens_after = request.num_computed_tokens + num_new_tokens
+        return -(-num_tokens_after // self.block_size) - len(request.block_ids)
+
+    def _grow_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[Request]) -> bool:
+        """Give `request` the blocks its new tokens need, preempting the newest requests if needed.
+
+        Returns False when `request` itself had to be preempted.
+        """
+        num_blocks = self._num_blocks_to_add(request, num_new_tokens)
+        while self.allocator.num_free_blocks < num_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        request.block_ids.extend(self.allocator.allocate(num_blocks))
+        return True
+
+    def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new_tokens = request.num_uncomputed_tokens
+            if num_new_tokens > token_budget:
+                return
+            num_blocks = self._num_blocks_to_add(request, num_new_tokens)
+            # The watermark keeps room for running requests to grow; an idle engine admits anyway.
+            watermark = self.config.watermark_blocks if self.running else 0
+            if self.allocator.num_free_blocks - num_blocks < watermark:
+                return
+            self.waiting.popleft()
+            request.block_ids.extend(self.allocator.allocate(num_blocks))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release_blocks(self, request: Request) -> None:
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0

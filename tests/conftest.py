@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny Llama, Qwen2 and Qwen3 checkpoints built from scratch for the session."""
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+
+# Wide weights spread the logits, so greedy argmax is not decided by float rounding.
+_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+}
+
+TINY_CONFIGS = {
+    # Llama 3.1-style rope scaling, untied head, weights in two shards.
+    "llama": lambda vocab: LlamaConfig(
+        vocab_size=vocab,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        **_COMMON,
+    ),
+    # Qwen2: q/k/v biases, GQA 4:1.
+    "qwen2": lambda vocab: Qwen2Config(
+        vocab_size=vocab,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+        **_COMMON,
+    ),
+    # Qwen3: q/k norms, tied embeddings, YaRN rope scaling.
+    "qwen3": lambda vocab: Qwen3Config(
+        vocab_size=vocab,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+        **_COMMON,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    corpus = resources.files("engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
+    return train_tokenizer(corpus, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        name: write_random_checkpoint(
+            make_config(len(tokenizer)),
+            tokenizer,
+            root / name,
+            seed=7,
+            max_shard_size="200KB" if name == "llama" else None,
+        )
+        for name, make_config in TINY_CONFIGS.items()
+    }
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_model(request, tiny_checkpoints) -> Path:
+    """Each tiny checkpoint in turn."""
+    return tiny_checkpoints[request.param]
