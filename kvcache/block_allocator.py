@@ -53,7 +53,7 @@ class BlockAllocator:
     def fork(self, block_ids: list[int]) -> list[int]:
         """Share already allocated blocks with one more holder; returns the same ids."""
         for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
+            if self._num_references(block_id) == 0:
                 raise DoubleFreeError(f"cannot fork block {block_id}: it is not allocated")
         for block_id in block_ids:
             self._ref_counts[block_id] += 1
@@ -62,11 +62,15 @@ class BlockAllocator:
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks nobody holds go back to the free list."""
         for block_id, count in Counter(block_ids).items():
-            if self._ref_counts[block_id] < count:
+            if self._num_references(block_id) < count:
                 raise DoubleFreeError(
-                    f"block {block_id} freed {count} time(s) but holds {self._ref_counts[block_id]} reference(s)"
+                    f"block {block_id} freed {count} time(s) but holds {self._num_references(block_id)} reference(s)"
                 )
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free_block_ids.append(block_id)
+
+    def _num_references(self, block_id: int) -> int:
+        # An id outside the pool was never handed out; a negative one must not index a real block from the end.
+        return self._ref_counts[block_id] if 0 <= block_id < self.num_blocks else 0
