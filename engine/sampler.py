@@ -39,7 +39,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     temperatures = torch.tensor([row.params.temperature for row in rows], device=logits.device)
-    logits = logits / temperatures[:, None]
+    # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf instead of
+    # overflowing to inf (softmax NaN); the clamp keeps a temperature that rounds to 0 in fp32 from 0/0.
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    logits = logits / temperatures.clamp_min(torch.finfo(logits.dtype).tiny)[:, None]
     if any(_filters_tokens(row.params) for row in rows):
         logits = _apply_top_k_top_p_min_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
@@ -65,11 +68,12 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> t
 
     sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    excluded_by_top_k = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(excluded_by_top_k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it does.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    excluded = mass_before >= top_p[:, None]
+    excluded = excluded_by_top_k | (mass_before >= top_p[:, None])
     excluded[:, 0] = False
     sorted_probs = torch.softmax(sorted_logits.masked_fill(excluded, float("-inf")), dim=-1)
     excluded |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
@@ -87,7 +91,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         if row.output_token_ids:
             output_ids = torch.tensor(row.output_token_ids, device=device)
             output_counts[i].index_add_(0, output_ids, torch.ones(len(output_ids), device=device))
-        seen[i, torch.tensor(row.prompt_token_ids, device=device)] = True
+        seen[i, torch.tensor(row.prompt_token_ids, dtype=torch.long, device=device)] = True
     seen |= output_counts > 0
 
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]

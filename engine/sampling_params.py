@@ -54,6 +54,8 @@ class SamplingParams:
             _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if isinstance(self.stop, str):
+            raise InvalidRequestError("stop", "must be a sequence of strings, not a single string")
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")
