@@ -178,24 +178,29 @@ class LLMEngine:
         )
 
     def _process_token(self, state: _RequestState, token: SampledToken) -> None:
-        """Append the token's text and logprobs, then finish the request if a stop condition holds."""
+        """Append the token's text and logprobs, then finish the request if a stop condition holds.
+
+        A stop token (EOS unless ignored, or one of `stop_token_ids`) stays in `token_ids` but adds no text.
+        """
         request, params = state.request, state.params
         if state.logprobs is not None:
             state.logprobs.append(TokenLogprob(token.token_id, token.logprob, token.top_logprobs))
+        if token.token_id in params.stop_token_ids or (not params.ignore_eos and token.token_id in self.eos_token_ids):
+            self.scheduler.finish(request, FinishReason.STOP)
+            return
         new_text = state.detokenizer.decode_new(request.output_token_ids)
         state.text += new_text
         stop_at = state.stop_matcher.find(state.text, len(new_text))
         if stop_at >= 0:
             state.text = state.text[:stop_at]
             self.scheduler.finish(request, FinishReason.STOP)
-        elif token.token_id in params.stop_token_ids or (
-            not params.ignore_eos and token.token_id in self.eos_token_ids
-        ):
-            self.scheduler.finish(request, FinishReason.STOP)
         elif len(request.output_token_ids) >= params.max_tokens:
             self.scheduler.finish(request, FinishReason.LENGTH)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        # Checked before encoding: a tokenizer that prepends BOS would turn "" into a non-empty prompt.
+        if not prompt:
+            raise InvalidRequestError("prompt", "the prompt is empty")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         else:
@@ -213,6 +218,12 @@ class LLMEngine:
         return token_ids
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {num_prompt_tokens} tokens: no room for output in the context window of "
+                f"{self.max_model_len} tokens",
+            )
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 "max_tokens",
