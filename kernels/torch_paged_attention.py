@@ -84,9 +84,12 @@ def _extend(query, key_cache, value_cache, metadata, scale, seq_index, query_sta
     values = _gather(value_cache, block_table[None], seq_len)[0].transpose(0, 1)
     queries = query[query_start : query_start + query_len].transpose(0, 1)  # [heads, Q, D]
     context_len = seq_len - query_len
-    # Query row r sits at position context_len + r and sees keys at positions <= its own.
-    mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(context_len)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    if context_len == 0:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query row r sits at position context_len + r and sees keys at positions <= its own.
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(context_len)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     output[query_start : query_start + query_len] = out.transpose(0, 1)
 
 

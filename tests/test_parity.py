@@ -1,4 +1,5 @@
-"""The engine's greedy tokens and logprobs equal HF transformers' for the same checkpoint."""
+"""The engine's greedy tokens and logprobs equal HF transformers' for the same checkpoint, on every
+scheduling path: one batch, staggered admission (prefill and decode mixed in a step), and preemption."""
 
 import json
 
@@ -9,39 +10,54 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 
 NUM_NEW_TOKENS = 12
+PROMPT_LENGTHS = [1, 3, 9, 16, 17, 31, 48, 70]  # below, at and across block boundaries
+
+SCHEDULING_PATHS = {
+    "one_batch": {},
+    # At most 3 running: new prompts are prefilled in the same steps as others decode.
+    "staggered": {"max_num_seqs": 3},
+    # 10 blocks of 16 tokens (8 KiB each for these models) cannot hold the batch: forces preemption.
+    "preempting": {"kv_cache_memory_bytes": 10 * 8192},
+}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
-    lengths = [1, 3, 9, 16, 17, 31, 48, 70]  # below, at and across block boundaries
-    return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def _hf_greedy(model_dir, prompt: list[int]) -> tuple[list[int], list[float]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model):
+    """Prompts and HF `generate` greedy tokens and logprobs, each prompt run alone."""
+    vocab_size = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
     # Without an EOS, HF neither stops early nor masks EOS (as min_new_tokens would): like ignore_eos.
     model.generation_config.eos_token_id = None
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=NUM_NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
-    return tokens, logprobs
+    reference = []
+    for prompt in _prompts(vocab_size):
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+        reference.append((prompt, tokens, logprobs))
+    return reference
 
 
-def test_batched_greedy_matches_hf_generate_per_prompt(tiny_model):
-    vocab_size = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    prompts = _prompts(vocab_size)
-    llm = LLM(str(tiny_model), kv_cache_memory_bytes=4 << 20)
+@pytest.mark.parametrize("path", sorted(SCHEDULING_PATHS))
+def test_greedy_tokens_and_logprobs_match_hf(tiny_model, hf_reference, path):
+    llm = LLM(str(tiny_model), **SCHEDULING_PATHS[path])
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(prompts, params)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        expected_tokens, expected_logprobs = _hf_greedy(tiny_model, prompt)
+    outputs = llm.generate([prompt for prompt, _, _ in hf_reference], params)
+
+    for (_, expected_tokens, expected_logprobs), output in zip(hf_reference, outputs, strict=True):
         assert output.token_ids == expected_tokens
-        got_logprobs = [entry.logprob for entry in output.logprobs]
-        assert got_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+        assert [entry.logprob for entry in output.logprobs] == pytest.approx(expected_logprobs, abs=1e-4)
+    if path == "preempting":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv_usage().num_used_blocks == 0
