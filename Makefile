@@ -1,0 +1,44 @@
+# The README's commands. `make run` and `make test` install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Without an NVIDIA GPU, take a CPU build of torch (this pin installs from the machine's local
+# wheel); set TORCH_CPU_INDEX="--index-url https://download.pytorch.org/whl/cpu" where PyPI's
+# default would be a CUDA build. With a GPU, pip picks a CUDA build within pyproject's range.
+TORCH_CPU_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?=
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+
+.PHONY: install run test test-slow lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+ifneq ($(HAS_GPU),yes)
+	$(BIN)/pip install $(TORCH_CPU_INDEX) "$(TORCH_CPU_SPEC)"
+endif
+	$(BIN)/pip install -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/kvserve generate
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: install
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
