@@ -147,8 +147,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 short requests, for a smoke run")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--hf-batch-sizes", default="16,64", help="static batch sizes to try for HF generate")
     parser.add_argument("--peers", default="kvserve,hf-static,hf-continuous")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per peer; the median time is reported")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -160,29 +161,31 @@ def main() -> None:
     expected_tokens = sum(output_lens)
     print(
         f"model {model_dir.name}; {num_requests} requests, prompts {prompt_range}, outputs {output_range}, "
-        f"{expected_tokens} output tokens; torch threads {torch.get_num_threads()}"
+        f"{expected_tokens} output tokens; torch threads {torch.get_num_threads()}; {args.repeat} run(s) per peer"
     )
 
-    results = {}
+    runs: dict[str, list] = {}
     peers = args.peers.split(",")
-    if "kvserve" in peers:
-        elapsed_s, num_tokens, utilizations = run_kvserve(model_dir, prompts, output_lens, max_num_seqs=num_requests)
-        results["kvserve"] = (elapsed_s, num_tokens)
-        print(
-            f"kvserve KV slot utilisation over {len(utilizations)} steps: mean {statistics.mean(utilizations):.4f}, "
-            f"min {min(utilizations):.4f}"
-        )
-    hf_model = None
-    if "hf-static" in peers or "hf-continuous" in peers:
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-        hf_model.generation_config.eos_token_id = None
-    if "hf-static" in peers:
-        results[f"hf-generate-static-b{args.hf_batch_size}"] = run_hf_static(
-            hf_model, prompts, output_lens, args.hf_batch_size, pad_token_id=0
-        )
-    if "hf-continuous" in peers:
-        results["hf-continuous-batching"] = run_hf_continuous(hf_model, prompts, output_lens)
+    for _ in range(args.repeat):
+        if "kvserve" in peers:
+            elapsed_s, num_tokens, utilizations = run_kvserve(model_dir, prompts, output_lens, num_requests)
+            runs.setdefault("kvserve", []).append((elapsed_s, num_tokens))
+            print(
+                f"kvserve KV slot utilisation over {len(utilizations)} steps: "
+                f"mean {statistics.mean(utilizations):.4f}, min {min(utilizations):.4f}"
+            )
+        hf_model = None
+        if "hf-static" in peers or "hf-continuous" in peers:
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+            hf_model.generation_config.eos_token_id = None
+        if "hf-static" in peers:
+            for batch_size in map(int, args.hf_batch_sizes.split(",")):
+                result = run_hf_static(hf_model, prompts, output_lens, batch_size, pad_token_id=0)
+                runs.setdefault(f"hf-generate-static-b{batch_size}", []).append(result)
+        if "hf-continuous" in peers:
+            runs.setdefault("hf-continuous-batching", []).append(run_hf_continuous(hf_model, prompts, output_lens))
 
+    results = {name: (statistics.median(t for t, _ in peer_runs), peer_runs[0][1]) for name, peer_runs in runs.items()}
     print(f"\n{'peer':32} {'time s':>8} {'out tok':>8} {'tok/s':>8} {'kvserve x':>10}")
     kvserve_rate = results["kvserve"][1] / results["kvserve"][0] if "kvserve" in results else None
     for name, (elapsed_s, num_tokens) in results.items():

@@ -1,8 +1,8 @@
 """Torch paged attention: the CPU path of the engine and the reference for the Triton kernels.
 
-Requests that decode one token are batched into one gather over their block tables; requests
-with several new tokens (prefill, or recompute after preemption) attend one by one to their
-cached prefix plus the causal part of their own tokens.
+Each request gathers exactly its `seq_len` cached positions from its blocks, so padding and
+unused slots (whatever they hold, NaN included) never enter the arithmetic. Measured on the CPU,
+this per-request loop beats one padded batched gather by 2-10x at decode (BENCHMARKS.md).
 """
 
 import torch
@@ -36,64 +36,39 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] over each request's paged context."""
     output = torch.empty_like(query)
-    decode_rows = [i for i, query_len in enumerate(metadata.query_lens_cpu) if query_len == 1]
-    if decode_rows:
-        _decode(query, key_cache, value_cache, metadata, scale, decode_rows, output)
+    block_size = key_cache.shape[1]
     starts = metadata.query_start_loc.tolist()
-    for i, query_len in enumerate(metadata.query_lens_cpu):
-        if query_len > 1:
-            _extend(query, key_cache, value_cache, metadata, scale, i, starts[i], output)
+    for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
+        block_ids = metadata.block_tables[i, : -(-seq_len // block_size)]
+        keys = key_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, D]
+        values = value_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
+        rows = slice(starts[i], starts[i] + query_len)
+        if query_len == 1:
+            output[rows] = _decode_one(query[rows], keys, values, scale)
+        else:
+            output[rows] = _extend_one(query[rows], keys, values, scale)
     return output
 
 
-def _decode(query, key_cache, value_cache, metadata, scale, rows, output) -> None:
-    block_size = key_cache.shape[1]
-    all_rows = len(rows) == metadata.num_seqs
-    row_index = None if all_rows else torch.tensor(rows, device=query.device)
-    token_index = metadata.query_start_loc[:-1] if all_rows else metadata.query_start_loc[row_index]
-    seq_lens = metadata.seq_lens if all_rows else metadata.seq_lens[row_index]
-    max_seq_len = max(metadata.seq_lens_cpu[i] for i in rows)
-    num_blocks = -(-max_seq_len // block_size)
-    block_tables = metadata.block_tables[:, :num_blocks]
-    if not all_rows:
-        block_tables = block_tables[row_index]
-    keys = _gather(key_cache, block_tables, max_seq_len)  # [B, L, kv_heads, D]
-    values = _gather(value_cache, block_tables, max_seq_len)
-    valid = torch.arange(max_seq_len, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
-    # Padded positions may hold anything (stale or NaN): zero them so 0-weight x NaN cannot leak.
-    values = values.masked_fill(~valid[:, :, None, None], 0.0)
-    keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
-    queries = query[token_index].unsqueeze(2)  # [B, heads, 1, D]
-    out = F.scaled_dot_product_attention(
-        queries,
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    output[token_index] = out.squeeze(2)
+def _decode_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token [1, heads, D] against keys/values [L, kv_heads, D]; query heads grouped per KV head."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = keys.shape[1]
+    grouped = query.view(num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.bmm(grouped, keys.float().permute(1, 2, 0)) * scale  # [kv_heads, group, L]
+    out = torch.bmm(scores.softmax(dim=-1), values.float().transpose(0, 1))  # [kv_heads, group, D]
+    return out.reshape(1, num_heads, head_dim).to(query.dtype)
 
 
-def _extend(query, key_cache, value_cache, metadata, scale, seq_index, query_start, output) -> None:
-    block_size = key_cache.shape[1]
-    query_len = metadata.query_lens_cpu[seq_index]
-    seq_len = metadata.seq_lens_cpu[seq_index]
-    block_table = metadata.block_tables[seq_index, : -(-seq_len // block_size)]
-    keys = _gather(key_cache, block_table[None], seq_len)[0].transpose(0, 1)  # [kv_heads, L, D]
-    values = _gather(value_cache, block_table[None], seq_len)[0].transpose(0, 1)
-    queries = query[query_start : query_start + query_len].transpose(0, 1)  # [heads, Q, D]
+def _extend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Query rows [Q, heads, D] at the last Q positions of keys/values [L, kv_heads, D], causally."""
+    query_len, seq_len = query.shape[0], keys.shape[0]
     context_len = seq_len - query_len
+    q, k, v = query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
     if context_len == 0:
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # Query row r sits at position context_len + r and sees keys at positions <= its own.
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(context_len)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    output[query_start : query_start + query_len] = out.transpose(0, 1)
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_positions: int) -> torch.Tensor:
-    """Positions [0, num_positions) of each block table: [B, num_positions, kv_heads, head_dim]."""
-    gathered = cache[block_tables]  # [B, blocks, block_size, kv_heads, D]
-    return gathered.flatten(1, 2)[:, :num_positions]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

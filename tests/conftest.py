@@ -1,10 +1,10 @@
-"""Shared fixtures: tiny Llama, Qwen2 and Qwen3 checkpoints built from scratch for the session."""
+"""Shared fixtures: tiny Llama, Mistral, Qwen2 and Qwen3 checkpoints built from scratch for the session."""
 
 from importlib import resources
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
@@ -34,6 +34,15 @@ TINY_CONFIGS = {
         },
         tie_word_embeddings=False,
         architectures=["LlamaForCausalLM"],
+        **_COMMON,
+    ),
+    # Mistral: the Llama decoder under another config class (no sliding window within 512 positions).
+    "mistral": lambda vocab: MistralConfig(
+        vocab_size=vocab,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        sliding_window=None,
+        tie_word_embeddings=False,
+        architectures=["MistralForCausalLM"],
         **_COMMON,
     ),
     # Qwen2: q/k/v biases, GQA 4:1.
