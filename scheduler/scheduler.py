@@ -105,8 +105,7 @@ class Scheduler:
         """
         num_blocks = self._num_blocks_to_add(request, num_new_tokens)
         while self.allocator.num_free_blocks < num_blocks:
-            victim = self.running[-1]
-            self._preempt(victim)
+            victim = self._preempt_newest()
             preempted.append(victim)
             if victim is request:
                 return False
@@ -131,13 +130,14 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _preempt_newest(self) -> Request:
+        request = self.running.pop()
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        return request
 
     def _release_blocks(self, request: Request) -> None:
         self.allocator.free(request.block_ids)
