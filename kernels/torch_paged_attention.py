@@ -2,7 +2,7 @@
 
 Each request gathers exactly its `seq_len` cached positions from its blocks, so padding and
 unused slots (whatever they hold, NaN included) never enter the arithmetic. Measured on the CPU,
-this per-request loop beats one padded batched gather by 2-10x at decode (BENCHMARKS.md).
+this per-request loop beats one padded batched gather by 5-8x at decode (BENCHMARKS.md).
 """
 
 import torch
