@@ -27,7 +27,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few demo prompts)")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=0, help="engine seed: requests draw their generators from it")
     generate.add_argument("--device", default="auto")
     generate.add_argument("--dtype", default="auto")
     generate.add_argument("--max-num-seqs", type=int, default=64)
@@ -42,8 +42,9 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        seed=args.seed,
     )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = args.prompt or DEMO_PROMPTS
     start_s = time.perf_counter()
     try:
