@@ -52,3 +52,11 @@ class StopStringMatcher:
         search_from = max(0, len(text) - num_new_chars - self.longest + 1)
         hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
         return min(hits, default=-1)
+
+    def num_pending_chars(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string: not safe to show yet."""
+        for length in range(min(self.longest - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return length
+        return 0

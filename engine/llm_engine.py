@@ -114,9 +114,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self._states:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        prompt_token_ids = self._prompt_token_ids(prompt)
-        params.validate(self.vocab_size)
-        self._check_fits(len(prompt_token_ids), params.max_tokens)
+        prompt_token_ids = self.check_request(prompt, params)
         generator = None
         if not params.is_greedy:
             seed = (
@@ -136,6 +134,13 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
         )
         return request_id
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids if the request can be served; else `InvalidRequestError`. Changes nothing."""
+        prompt_token_ids = self.tokenize_prompt(prompt)
+        params.validate(self.vocab_size)
+        self._check_fits(len(prompt_token_ids), params.max_tokens)
+        return prompt_token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Remove a request wherever it is and free its blocks at once; None if it is unknown."""
@@ -170,11 +175,16 @@ class LLMEngine:
         return outputs
 
     def _sampling_row(self, state: _RequestState) -> SamplingRow:
+        params, output_token_ids = state.params, state.request.output_token_ids
+        banned: tuple[int, ...] = ()
+        if len(output_token_ids) < params.min_tokens:
+            banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
         return SamplingRow(
-            params=state.params,
+            params=params,
             generator=state.generator,
             prompt_token_ids=state.request.prompt_token_ids,
-            output_token_ids=state.request.output_token_ids,
+            output_token_ids=output_token_ids,
+            banned_token_ids=banned,
         )
 
     def _process_token(self, state: _RequestState, token: SampledToken) -> None:
@@ -197,7 +207,8 @@ class LLMEngine:
         elif len(request.output_token_ids) >= params.max_tokens:
             self.scheduler.finish(request, FinishReason.LENGTH)
 
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text or token-id prompt; `InvalidRequestError` if empty or outside the vocabulary."""
         # Checked before encoding: a tokenizer that prepends BOS would turn "" into a non-empty prompt.
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")

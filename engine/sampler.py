@@ -15,6 +15,7 @@ class SamplingRow:
     generator: torch.Generator | None  # None for greedy rows
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    banned_token_ids: tuple[int, ...] = ()  # never sampled this step (EOS and stop ids before min_tokens)
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,22 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     logprobs = torch.log_softmax(logits, dim=-1)
     if any(row.params.has_penalties for row in rows):
         logits = _apply_penalties(logits, rows)
+    if any(row.banned_token_ids for row in rows):
+        logits = _ban_tokens(logits, rows)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
     return _gather_logprobs(logprobs, token_ids, rows)
+
+
+def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    return logits
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -12,12 +12,14 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How to pick each next token and when to stop.
 
+    `min_tokens` keeps EOS and `stop_token_ids` from being sampled until that many tokens exist.
     `temperature == 0` is greedy decoding. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=N` returns the sampled token's log-probability and the N most likely alternatives,
     computed from the model's raw logits (before penalties and temperature).
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -43,6 +45,7 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raise `InvalidRequestError` naming the first field out of range (NaN included)."""
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
         _check_int("top_k", self.top_k, low=-1)

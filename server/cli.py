@@ -1,15 +1,19 @@
 """The `kvserve` command line.
 
-`kvserve generate` runs an offline generation on a checkpoint (the built-in default model when
-none is given) and prints each completion and the throughput.
+`kvserve serve [MODEL]` runs the OpenAI-compatible server; `kvserve generate [MODEL]` runs an
+offline generation and prints each completion and the throughput. Without MODEL both use the
+built-in default model (random weights).
 """
 
 import argparse
 import logging
 import sys
 import time
+import types
+import typing
 
 from engine import LLM, InvalidRequestError, SamplingParams
+from server.settings import ServerSettings, SettingsError, load_settings
 
 DEMO_PROMPTS = [
     "Once upon a time there was a small town by a river.",
@@ -19,9 +23,32 @@ DEMO_PROMPTS = [
 ]
 
 
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerSettings field (--max-num-seqs for max_num_seqs); unset flags override nothing."""
+    for name, field in ServerSettings.model_fields.items():
+        if name == "model":
+            continue
+        annotation = field.annotation
+        if isinstance(annotation, types.UnionType):  # X | None
+            annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+        flag = "--" + name.replace("_", "-")
+        if typing.get_origin(annotation) is list:
+            parser.add_argument(flag, nargs="+", default=None, help=field.description)
+        else:
+            parser.add_argument(
+                flag, type=annotation, default=None, help=field.description or f"default {field.default}"
+            )
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvserve", description="A small continuous-batching LLM inference engine.")
+    parser = argparse.ArgumentParser(prog="kvserve", description="A small continuous-batching LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: built-in model)")
+    serve.add_argument("--config", default=None, help="YAML settings file (flags and KVSERVE_* env override it)")
+    _add_settings_flags(serve)
+
     generate = commands.add_parser("generate", help="generate offline from prompts and print text and tokens/s")
     generate.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: built-in model)")
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few demo prompts)")
@@ -33,6 +60,19 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     generate.add_argument("--max-num-seqs", type=int, default=64)
     generate.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     return parser.parse_args(argv)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.serve import serve  # imports uvicorn and FastAPI only when serving
+
+    overrides = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
+    try:
+        settings = load_settings(args.config, overrides)
+    except (SettingsError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -63,7 +103,7 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    return _generate(args)
+    return _serve(args) if args.command == "serve" else _generate(args)
 
 
 if __name__ == "__main__":

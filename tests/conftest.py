@@ -94,3 +94,14 @@ def tiny_checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
 def tiny_model(request, tiny_checkpoints) -> Path:
     """Each tiny checkpoint in turn."""
     return tiny_checkpoints[request.param]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    """A server on the tiny Llama checkpoint (served as "tiny-llama"), shared by a test module."""
+    from tests.server_harness import running_server
+
+    with running_server(
+        model=str(tiny_checkpoints["llama"]), served_model_name="tiny-llama", kv_cache_memory_bytes=4 << 20
+    ) as running:
+        yield running

@@ -1,0 +1,200 @@
+"""AsyncLLMEngine: runs `LLMEngine` on its own thread and feeds per-request async streams.
+
+The HTTP event loop never runs a model step. Requests and aborts go to the engine thread
+through a command queue; after each step the thread hands every request's newest snapshot to
+its stream. A stream keeps only the newest snapshot (each one holds everything so far), so a
+slow reader costs no memory and never holds up the batch.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the client should retry later."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is draining or stopped and takes no new requests."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed while this request was in flight."""
+
+
+class RequestStream:
+    """Newest snapshot of one request, readable from the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._latest: RequestOutput | None = None
+        self._error: Exception | None = None
+        self._changed = asyncio.Event()
+        self.finished = False
+
+    def publish(self, output: RequestOutput) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._set, output, None)
+
+    def fail(self, error: Exception) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._set, None, error)
+
+    def _set(self, output: RequestOutput | None, error: Exception | None) -> None:
+        self._latest, self._error = output or self._latest, error or self._error
+        self._changed.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            await self._changed.wait()
+            self._changed.clear()
+            if self._error is not None:
+                self.finished = True
+                raise self._error
+            if self._latest is not None:
+                self.finished = self._latest.finished
+                yield self._latest
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """Thread-backed front of `LLMEngine` for asyncio servers."""
+
+    def __init__(self, engine: LLMEngine, max_queued_requests: int, stall_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched by the engine thread only
+        self._lock = threading.Lock()
+        self._num_in_flight = 0  # submitted and not yet finished, aborted or failed
+        self._num_running = 0  # published by the engine thread after each step
+        self._last_progress_s = time.monotonic()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, self._num_in_flight - self._num_running)
+
+    def is_healthy(self) -> bool:
+        """The engine thread is alive and, if it has work, finished a step recently."""
+        if not self._thread.is_alive():
+            return False
+        stalled_s = time.monotonic() - self._last_progress_s
+        return self._num_in_flight == 0 or stalled_s < self.stall_timeout_s
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def shutdown(self) -> None:
+        self._accepting = False
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+    ) -> RequestStream:
+        """Validate and queue a request.
+
+        Raises `InvalidRequestError`, `EngineOverloadedError` or `EngineUnavailableError` before
+        anything is queued.
+        """
+        if not self._accepting:
+            raise EngineUnavailableError("the server is shutting down")
+        prompt_token_ids = self.engine.check_request(prompt, params)
+        with self._lock:
+            if self.num_waiting >= self.max_queued_requests:
+                raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
+            self._num_in_flight += 1
+        stream = RequestStream(loop)
+        self._commands.put(_Add(request_id, prompt_token_ids, params, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def _run(self) -> None:
+        while self._apply_commands(block=not self.engine.has_unfinished()):
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a failed step must not kill the loop or strand clients
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineStepError(f"engine step failed: {error}"))
+                continue
+            self._last_progress_s = time.monotonic()
+            self._num_running = len(self.engine.scheduler.running)
+            for output in outputs:
+                stream = self._close(output.request_id) if output.finished else self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.publish(output)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts (waiting for one if `block`); returns False on shutdown."""
+        try:
+            command = self._commands.get(block=block)
+            while True:
+                if command is None:
+                    self._fail_all(EngineUnavailableError("the engine shut down"))
+                    return False
+                self._apply(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            self._last_progress_s = time.monotonic()
+            return True
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            output = self.engine.abort(command.request_id)
+            stream = self._close(command.request_id)
+            if output is not None and stream is not None:
+                stream.publish(output)
+            return
+        try:
+            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
+        except Exception as error:  # checked at submit; anything left is reported, not raised
+            self._streams[command.request_id] = command.stream
+            self._close(command.request_id).fail(error)
+            return
+        self._streams[command.request_id] = command.stream
+
+    def _close(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            with self._lock:
+                self._num_in_flight -= 1
+        return stream
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._close(request_id).fail(error)
+        self._num_running = 0

@@ -1,0 +1,147 @@
+"""The FastAPI application: routes, auth, body-size limit, draining, and the error handlers."""
+
+import hmac
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.chat import create_chat_completion, render_chat_prompt
+from server.completions import create_completion
+from server.context import ServerContext
+from server.errors import APIError, handle_exception
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    now_s,
+)
+
+
+def kvserve_version() -> str:
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class BodySizeLimit:
+    """Refuses bodies over `max_bytes` with 413 before reading them whole.
+
+    A declared Content-Length is checked up front; a chunked body is read up to the limit, then
+    handed on (bodies under the limit are small enough to hold).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit() or int(declared) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, num_bytes, more_body = [], 0, True
+        while more_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            chunks.append(message.get("body", b""))
+            num_bytes += len(chunks[-1])
+            more_body = message.get("more_body", False)
+            if num_bytes > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+        return await self.app(scope, _replay([{"type": "http.request", "body": b"".join(chunks)}], receive), send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"request body is larger than {self.max_bytes} bytes", type="request_too_large")
+        await error.response()(scope, receive, send)
+
+
+def _replay(messages: list[dict], then: Receive | None = None) -> Receive:
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        return await then() if then is not None else {"type": "http.disconnect"}
+
+    return receive
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM inference server")
+    app.state.ctx = ctx
+    app.state.draining = False
+    for error_type in (Exception, APIError, RequestValidationError, StarletteHTTPException):
+        app.add_exception_handler(error_type, handle_exception)
+    if ctx.settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=ctx.settings.cors_allow_origins, allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
+
+    @app.middleware("http")
+    async def refuse_while_draining(request: Request, call_next):
+        if request.app.state.draining and request.url.path != "/health":
+            return APIError(503, "the server is shutting down", type="service_unavailable_error").response()
+        return await call_next(request)
+
+    def require_api_key(request: Request) -> None:
+        expected = ctx.settings.api_key
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise APIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
+
+    authorized = [Depends(require_api_key)]
+
+    @app.get("/health", summary="200 while the engine loop is alive and making progress, else 503")
+    async def health():
+        if app.state.draining or not ctx.engine.is_healthy():
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": kvserve_version()}
+
+    @app.get("/v1/models", dependencies=authorized, response_model=ModelList)
+    async def list_models():
+        return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(body, request, ctx)
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = render_chat_prompt(ctx, body.messages, add_generation_prompt=True)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        ctx.engine.engine.tokenize_prompt(body.tokens)  # range-checks the ids
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,112 @@
+"""POST /v1/completions."""
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import TokenLogprob
+from server.context import ServerContext
+from server.errors import bad_request
+from server.generation import Choice, Generation, sse_stream
+from server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    now_s,
+    random_id,
+)
+
+
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
+    ctx.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    prompts = [ctx.engine.engine.tokenize_prompt(prompt) for prompt in _split_prompts(body.prompt)]
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = ctx.max_model_len - max(len(p) for p in prompts)
+    params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+
+    generation = Generation(ctx.engine, random_id("cmpl"), ctx.count_disconnect)
+    generation.submit(prompts, params, body.n)
+    created = now_s()
+    if body.stream:
+        chunks = _stream_chunks(body, ctx, generation, created)
+        return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
+
+    await generation.run_to_end(request)
+    choices = []
+    for choice in generation.choices:
+        prefix = ctx.tokenizer.decode(choice.prompt_token_ids) if body.echo else ""
+        output = choice.output
+        logprobs = _logprobs(ctx, output.logprobs, len(prefix)) if output.logprobs is not None else None
+        choices.append(CompletionChoice(index=choice.index, text=prefix + output.text, logprobs=logprobs,
+                                        finish_reason=output.finish_reason))  # fmt: skip
+    response = CompletionResponse(
+        id=generation.request_id, created=created, model=ctx.model_name, choices=choices,
+        usage=_usage(prompts, generation.choices),
+    )  # fmt: skip
+    return JSONResponse(response.model_dump())
+
+
+def _split_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    return list(prompt)
+
+
+async def _stream_chunks(
+    body: CompletionRequest, ctx: ServerContext, generation: Generation, created: int
+) -> AsyncIterator[dict]:
+    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
+        payload = {"id": generation.request_id, "object": "text_completion", "created": created,
+                   "model": ctx.model_name, "choices": choices}  # fmt: skip
+        if usage is not None:
+            payload["usage"] = usage.model_dump()
+        return payload
+
+    text_offsets = {}
+    if body.echo:
+        for choice in generation.choices:
+            prefix = ctx.tokenizer.decode(choice.prompt_token_ids)
+            yield chunk([{"index": choice.index, "text": prefix, "logprobs": None, "finish_reason": None}])
+    async for choice in generation.updates():
+        delta, first_token, end_token = choice.take_delta()
+        finish_reason = choice.output.finish_reason
+        if not delta and finish_reason is None:
+            continue
+        logprobs = None
+        if choice.output.logprobs is not None:
+            offset = text_offsets.get(choice.index, 0)
+            entries = choice.output.logprobs[first_token:end_token]
+            logprobs = _logprobs(ctx, entries, offset)
+            text_offsets[choice.index] = offset + sum(len(t) for t in logprobs.tokens)
+            logprobs = logprobs.model_dump()
+        yield chunk([{"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+    if body.stream_options is not None and body.stream_options.include_usage:
+        prompts = [choice.prompt_token_ids for choice in generation.choices[:: body.n]]
+        yield chunk([], _usage(prompts, generation.choices))
+
+
+def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], first_offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    offset = first_offset
+    for entry in entries:
+        token = ctx.token_text(entry.token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append({ctx.token_text(t): lp for t, lp in entry.top_logprobs})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(choice.output.token_ids) for choice in choices)
+    return Usage.of(prompt_tokens, completion_tokens)

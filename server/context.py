@@ -1,0 +1,73 @@
+"""What request handlers share: settings, the engine, the tokenizer, counters, and request checks."""
+
+from dataclasses import dataclass, field
+
+from engine import SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from server.errors import APIError, bad_request
+from server.protocol import SamplingFields
+from server.settings import ServerSettings
+
+
+@dataclass
+class Counters:
+    client_disconnects: int = 0
+    rejected_overload: int = 0
+
+
+@dataclass
+class ServerContext:
+    settings: ServerSettings
+    engine: AsyncLLMEngine
+    model_name: str
+    chat_template: str | None
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                type="not_found_error", param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def count_disconnect(self) -> None:
+        self.counters.client_disconnects += 1
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Checks the server's own caps; the engine checks the rest when the request is submitted."""
+        limits = self.settings
+        if not 1 <= body.n <= limits.max_n:
+            raise bad_request(f"n must be in [1, {limits.max_n}], got {body.n}", param="n")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > limits.max_stop_strings:
+            raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stop)}", param="stop")
+        if any(len(s) > limits.max_stop_string_chars for s in stop):
+            raise bad_request(f"stop strings are limited to {limits.max_stop_string_chars} characters", param="stop")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            seed=body.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

@@ -1,0 +1,88 @@
+"""Every error the server returns, in the OpenAI shape, mapped from exceptions in one place."""
+
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import InvalidRequestError
+from engine.async_engine import EngineOverloadedError, EngineStepError, EngineUnavailableError
+
+RETRY_AFTER_S = 1
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI error type, offending parameter, message."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def to_api_error(error: Exception) -> APIError:
+    """The one mapping from exceptions to HTTP errors."""
+    match error:
+        case APIError():
+            return error
+        case InvalidRequestError():
+            return bad_request(error.message, param=error.field)
+        case RequestValidationError():
+            return _validation_error(error)
+        case EngineOverloadedError():
+            return APIError(
+                429, f"server overloaded: {error}; retry later", type="overloaded_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
+        case EngineUnavailableError():
+            return APIError(503, str(error), type="service_unavailable_error")
+        case EngineStepError():
+            return APIError(500, str(error), type="internal_error")
+        case StarletteHTTPException(status_code=400):
+            return bad_request(f"request body could not be parsed as UTF-8 JSON ({error.detail})")
+        case StarletteHTTPException():
+            return APIError(error.status_code, str(error.detail), type=_type_for_status(error.status_code))
+    return APIError(500, "internal error", type="internal_error")
+
+
+def _validation_error(error: RequestValidationError) -> APIError:
+    first = error.errors()[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('msg')}")
+    if not location and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return bad_request("request body must be a JSON object")
+    param = ".".join(location) or None
+    return bad_request(f"{param or 'body'}: {first.get('msg')}", param=param)
+
+
+def _type_for_status(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
+        status, "invalid_request_error"
+    )
+
+
+async def handle_exception(request: Request, error: Exception) -> JSONResponse:
+    api_error = to_api_error(error)
+    if api_error.status == 500:
+        logger.error("request %s failed", request.url.path, exc_info=error)
+    if api_error.status == 429:
+        request.app.state.ctx.counters.rejected_overload += 1
+    return api_error.response()

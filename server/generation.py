@@ -1,0 +1,150 @@
+"""What completions and chat share: submitting n x prompts, merging their streams, streaming deltas."""
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from fastapi import Request
+
+from engine import RequestOutput, SamplingParams
+from engine.async_engine import AsyncLLMEngine, RequestStream
+from engine.detokenizer import StopStringMatcher
+from server.errors import APIError, to_api_error
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Choice:
+    """One generated sequence (prompt index x n) and how much of it was already sent."""
+
+    index: int
+    prompt_token_ids: list[int]
+    stop_matcher: StopStringMatcher
+    output: RequestOutput | None = None
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+
+    def visible_text(self) -> str:
+        """Text that can no longer be cut by a stop string: all of it once finished."""
+        text = self.output.text
+        return text if self.output.finished else text[: len(text) - self.stop_matcher.num_pending_chars(text)]
+
+    def take_delta(self) -> tuple[str, int, int]:
+        """(new text, first new token index, end token index) since the last call."""
+        text = self.visible_text()
+        delta, self.num_sent_chars = text[self.num_sent_chars :], len(text)
+        first_token, self.num_sent_tokens = self.num_sent_tokens, len(self.output.token_ids)
+        return delta, first_token, self.num_sent_tokens
+
+
+class Generation:
+    """All choices of one API request, submitted to the engine together and aborted together."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, on_disconnect: Callable[[], None]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.on_disconnect = on_disconnect
+        self.choices: list[Choice] = []
+        self._streams: list[RequestStream] = []
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        """Queue every choice, or none: a refusal aborts what was already queued."""
+        loop = asyncio.get_running_loop()
+        try:
+            for prompt_index, prompt_token_ids in enumerate(prompts):
+                for sample_index in range(n):
+                    choice_params = params
+                    if params.seed is not None and sample_index:
+                        choice_params = replace(params, seed=params.seed + sample_index)
+                    index = prompt_index * n + sample_index
+                    stream = self.engine.submit(self._engine_id(index), prompt_token_ids, choice_params, loop)
+                    self.choices.append(Choice(index, prompt_token_ids, StopStringMatcher(params.stop)))
+                    self._streams.append(stream)
+        except Exception:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for choice in self.choices:
+            if choice.output is None or not choice.output.finished:
+                self.engine.abort(self._engine_id(choice.index))
+
+    async def updates(self) -> AsyncIterator[Choice]:
+        """Each choice every time it has new output, until all are finished; aborts on exit."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    choice.output = output
+                    queue.put_nowait(choice)
+            except Exception as error:
+                queue.put_nowait(error)
+
+        tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(self.choices, self._streams, strict=True)]
+        try:
+            num_finished = 0
+            while num_finished < len(self.choices):
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                num_finished += item.output.finished
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort()
+
+    async def run_to_end(self, request: Request) -> None:
+        """Wait for every choice to finish; if the client goes away first, abort and count it."""
+
+        async def consume() -> None:
+            async for _ in self.updates():
+                pass
+
+        consumer = asyncio.create_task(consume())
+        watcher = asyncio.create_task(_wait_for_disconnect(request))
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            watcher.cancel()
+            consumer.result()
+            return
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+        self.on_disconnect()
+        raise APIError(499, "client disconnected", type="client_closed_request")
+
+    def _engine_id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict], generation: Generation) -> AsyncIterator[str]:
+    """SSE framing; an error after the stream started becomes an error chunk; always ends with [DONE].
+
+    If the client goes away, Starlette cancels this generator: the requests are aborted (in
+    `Generation.updates`) and the disconnect is counted.
+    """
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except asyncio.CancelledError:
+        generation.on_disconnect()
+        raise
+    except Exception as error:
+        yield sse(to_api_error(error).body())
+    finally:
+        generation.abort()
+    yield sse("[DONE]")

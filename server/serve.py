@@ -1,0 +1,80 @@
+"""`kvserve serve`: build the engine and the app, run uvicorn, drain on SIGTERM."""
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from engine import LLMEngine
+from engine.async_engine import AsyncLLMEngine
+from engine.default_model import DEFAULT_MODEL_NAME
+from server.app import create_app
+from server.context import ServerContext
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.1
+
+
+def build_context(settings: ServerSettings) -> ServerContext:
+    engine = LLMEngine(settings.engine_config())
+    default_name = Path(settings.model).name if settings.model else DEFAULT_MODEL_NAME
+    return ServerContext(
+        settings=settings,
+        engine=AsyncLLMEngine(engine, max_queued_requests=settings.max_queued_requests),
+        model_name=settings.served_model_name or default_name,
+        chat_template=_read_chat_template(settings.chat_template),
+    )
+
+
+def _read_chat_template(template: str | None) -> str | None:
+    """A path to a template file, or the template itself."""
+    if template is None:
+        return None
+    path = Path(template)
+    return path.read_text() if len(template) < 4096 and path.is_file() else template
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: answer 503 to new requests, let in-flight ones finish for up to
+    `drain_timeout_s`, then stop. A second signal, or a timeout of 0, stops at once."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        timeout_s = self.ctx.settings.drain_timeout_s
+        if self._draining or timeout_s == 0:
+            self.force_exit = self._draining
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        self.config.app.state.draining = True
+        self.ctx.engine.stop_accepting()
+        logger.info("draining: %d requests in flight, up to %.1f s", self.ctx.engine.num_in_flight, timeout_s)
+        threading.Thread(target=self._exit_when_drained, args=(timeout_s,), daemon=True).start()
+
+    def _exit_when_drained(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.ctx.engine.num_in_flight and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+        logger.info("drained (%d requests left in flight); stopping", self.ctx.engine.num_in_flight)
+        self.should_exit = True
+
+
+def serve(settings: ServerSettings) -> None:
+    ctx = build_context(settings)
+    app = create_app(ctx)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=2,
+        h11_max_incomplete_event_size=64 * 1024,
+    )  # fmt: skip
+    server = DrainingServer(config, ctx)
+    logger.info("serving %r at http://%s:%d/v1 (docs at /docs)", ctx.model_name, settings.host, settings.port)
+    try:
+        server.run()
+    finally:
+        ctx.engine.shutdown()

@@ -1,0 +1,77 @@
+"""Server and engine settings: one pydantic model filled from defaults, a YAML file, KVSERVE_* env, CLI flags.
+
+Precedence, lowest to highest: defaults < `--config` YAML < `KVSERVE_<FIELD>` environment variables
+< command-line flags. Unknown keys and wrong types are refused with a message naming the key.
+"""
+
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine import EngineConfig
+
+ENV_PREFIX = "KVSERVE_"
+
+
+class SettingsError(ValueError):
+    """A settings file, variable or flag is unknown or has the wrong type."""
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # What to serve
+    model: str | None = Field(None, description="HF checkpoint directory; none = the built-in default model")
+    served_model_name: str | None = Field(None, description="model name clients use; default: the directory name")
+    chat_template: str | None = Field(None, description="Jinja chat template (text or file) over the tokenizer's")
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="if set, /v1 routes need `Authorization: Bearer <key>`")
+    cors_allow_origins: list[str] = Field(default_factory=list, description="CORS is off when empty")
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_queued_requests: int = Field(256, ge=1, description="waiting requests beyond this get 429")
+    max_n: int = Field(16, ge=1, description="largest `n` a request may ask for")
+    max_stop_strings: int = Field(16, ge=1)
+    max_stop_string_chars: int = Field(1024, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    # Engine
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    watermark_fraction: float = 0.01
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def engine_config(self) -> EngineConfig:
+        # Every EngineConfig field has a same-named setting above (a test keeps them in step).
+        return EngineConfig(**{field.name: getattr(self, field.name) for field in fields(EngineConfig)})
+
+
+def load_settings(config_file: str | Path | None, cli_overrides: dict, environ: dict | None = None) -> ServerSettings:
+    """Merge the layers in precedence order and validate once."""
+    values: dict = {}
+    if config_file is not None:
+        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SettingsError(f"{config_file}: expected a mapping of settings, got {type(loaded).__name__}")
+        values.update(loaded)
+    environ = os.environ if environ is None else environ
+    for name in ServerSettings.model_fields:
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            values[name] = yaml.safe_load(environ[env_name])  # so "8", "true", "[a, b]" get their types
+    values.update({key: value for key, value in cli_overrides.items() if value is not None})
+    try:
+        return ServerSettings(**values)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise SettingsError(f"invalid settings: {problems}") from None

@@ -1,0 +1,64 @@
+"""A real uvicorn server on a free loopback port, run in a thread of the test process.
+
+Running in-process lets tests look at the engine behind the HTTP API (KV blocks, counters)
+while clients talk to it over real sockets.
+"""
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import uvicorn
+
+from server.app import create_app
+from server.context import ServerContext
+from server.serve import build_context
+from server.settings import ServerSettings
+
+STARTUP_TIMEOUT_S = 60
+
+
+@dataclass
+class RunningServer:
+    ctx: ServerContext
+    base_url: str  # http://127.0.0.1:PORT
+
+    @property
+    def engine(self):
+        """The synchronous LLMEngine behind the server."""
+        return self.ctx.engine.engine
+
+    def wait_until_idle(self, timeout_s: float = 30.0) -> None:
+        """Wait until no request is in flight (aborts are applied by the engine thread)."""
+        deadline = time.monotonic() + timeout_s
+        while self.ctx.engine.num_in_flight or self.engine.has_unfinished():
+            if time.monotonic() > deadline:
+                raise TimeoutError("requests still in flight")
+            time.sleep(0.02)
+
+
+@contextmanager
+def running_server(**settings) -> Iterator[RunningServer]:
+    ctx = build_context(ServerSettings(**settings))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningServer(ctx=ctx, base_url=f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        ctx.engine.shutdown()
+        sock.close()
