@@ -1,0 +1,213 @@
+"""Serving benchmark: N concurrent streaming clients against kvserve over HTTP, beside the engine's
+offline throughput on the same workload, and (optionally) `transformers serve` as a peer server.
+
+Each server runs as its own process on a loopback port; the clients run here with asyncio and
+httpx. Reported per peer: request throughput, output tokens/s, TTFT and inter-token latency
+(p50/p90/p99). The kvserve HTTP / offline ratio has a target of >= 0.9.
+
+    python benchmarks/serve_bench.py                      # kvserve over HTTP + offline
+    python benchmarks/serve_bench.py --peers kvserve,offline,transformers-serve
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import benchmark_model_dir
+
+from engine import LLM, SamplingParams
+
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    itl_s: list[float]
+    latency_s: float
+    num_tokens: int
+
+
+@dataclass
+class PeerResult:
+    name: str
+    wall_s: float
+    results: list[RequestResult] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.results)
+
+
+def make_workload(num_requests: int, seed: int) -> tuple[list[str], list[int]]:
+    """Text prompts of pseudo-words (ASCII, so each streamed token shows at once) and output lengths."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "vo", "ze", "pa", "do", "gu"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(2000)]
+    prompts = [" ".join(rng.choices(words, k=rng.randint(24, 200))) for _ in range(num_requests)]
+    output_lens = [rng.randint(32, 256) for _ in range(num_requests)]
+    return prompts, output_lens
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become healthy")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    start_s = time.perf_counter()
+    token_times: list[float] = []
+    num_tokens = 0
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if any(choice.get("text") for choice in chunk.get("choices", [])):
+                token_times.append(time.perf_counter())
+    latency_s = time.perf_counter() - start_s
+    itl = [b - a for a, b in itertools.pairwise(token_times)]
+    return RequestResult(ttft_s=token_times[0] - start_s, itl_s=itl, latency_s=latency_s, num_tokens=num_tokens)
+
+
+async def run_clients(name, base_url, model, prompts, output_lens, concurrency, extra) -> PeerResult:
+    semaphore = asyncio.Semaphore(concurrency)
+    result = PeerResult(name=name, wall_s=0.0)
+
+    async def worker(prompt: str, max_tokens: int) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+        async with semaphore:
+            try:
+                result.results.append(await one_request(client, f"{base_url}/v1/completions", body))
+            except (httpx.HTTPError, KeyError, IndexError):
+                result.errors += 1
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        start_s = time.perf_counter()
+        await asyncio.gather(*(worker(p, n) for p, n in zip(prompts, output_lens, strict=True)))
+        result.wall_s = time.perf_counter() - start_s
+    return result
+
+
+def serve_kvserve(model_dir: Path, port: int, max_num_seqs: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port),
+               "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
+               "--kv-cache-memory-bytes", str(2 << 30)]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def serve_transformers(model_dir: Path, port: int) -> subprocess.Popen:
+    command = ["transformers", "serve", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
+               "--continuous-batching", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run_server_peer(name, start, model_name, prompts, output_lens, concurrency, extra) -> PeerResult:
+    port = free_port()
+    process = start(port)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, process)
+        return asyncio.run(run_clients(name, base_url, model_name, prompts, output_lens, concurrency, extra))
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def run_offline(model_dir: Path, prompts, output_lens, max_num_seqs: int) -> PeerResult:
+    llm = LLM(str(model_dir), max_num_seqs=max_num_seqs, kv_cache_memory_bytes=2 << 30)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    start_s = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall_s = time.perf_counter() - start_s
+    result = PeerResult(name="kvserve offline (LLM.generate)", wall_s=wall_s)
+    result.results = [RequestResult(0.0, [], 0.0, len(o.token_ids)) for o in outputs]
+    return result
+
+
+def percentiles_ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    pick = [ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3 for q in (0.5, 0.9, 0.99)]
+    return "/".join(f"{v:.0f}" for v in pick)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--peers", default="kvserve,offline")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    model_dir = benchmark_model_dir()
+    prompts, output_lens = make_workload(args.num_requests, seed=0)
+    print(f"model {model_dir.name}; {args.num_requests} requests, {args.concurrency} concurrent clients, "
+          f"outputs 32-256 tokens ({sum(output_lens)} in all), greedy, streamed")  # fmt: skip
+    peers = args.peers.split(",")
+    results = []
+    if "kvserve" in peers:
+        start = lambda port: serve_kvserve(model_dir, port, args.concurrency)  # noqa: E731
+        results.append(run_server_peer("kvserve over HTTP", start, "bench", prompts, output_lens, args.concurrency,
+                                       {"ignore_eos": True}))  # fmt: skip
+    if "offline" in peers:
+        results.append(run_offline(model_dir, prompts, output_lens, args.concurrency))
+    if "transformers-serve" in peers:
+        start = lambda port: serve_transformers(model_dir, port)  # noqa: E731
+        try:
+            results.append(run_server_peer("transformers serve", start, str(model_dir), prompts, output_lens,
+                                           args.concurrency, {}))  # fmt: skip
+        except RuntimeError as error:
+            print(f"transformers serve: could not run ({error})")
+
+    print(f"\n{'peer':34} {'req/s':>6} {'out tok/s':>9} {'TTFT p50/90/99 ms':>18} {'ITL p50/90/99 ms':>17} {'err':>4}")
+    for peer in results:
+        ttft = [r.ttft_s for r in peer.results if r.ttft_s]
+        itl = [gap for r in peer.results for gap in r.itl_s]
+        print(f"{peer.name:34} {len(peer.results) / peer.wall_s:6.2f} {peer.num_tokens / peer.wall_s:9.1f} "
+              f"{percentiles_ms(ttft):>18} {percentiles_ms(itl):>17} {peer.errors:>4}")  # fmt: skip
+    by_name = {peer.name: peer for peer in results}
+    http, offline = by_name.get("kvserve over HTTP"), by_name.get("kvserve offline (LLM.generate)")
+    if http and offline:
+        ratio = (http.num_tokens / http.wall_s) / (offline.num_tokens / offline.wall_s)
+        print(f"\nkvserve HTTP / offline output tokens/s: {ratio:.2f} (target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Settings: files in configs/ load, layers override in the documented order, mistakes are named."""
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from engine import EngineConfig
+from server.settings import ServerSettings, SettingsError, load_settings
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config_file", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(config_file):
+    settings = load_settings(config_file, {}, environ={})
+    assert isinstance(settings.engine_config(), EngineConfig)
+
+
+def test_default_yaml_states_the_defaults():
+    assert load_settings(Path("configs/default.yaml"), {}, environ={}) == ServerSettings()
+
+
+def test_every_engine_setting_is_a_server_setting():
+    assert {f.name for f in fields(EngineConfig)} <= set(ServerSettings.model_fields)
+
+
+def test_flags_override_env_which_overrides_the_file(tmp_path):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("max_num_seqs: 4\nport: 9000\nserved_model_name: from-file\n")
+    env = {"KVSERVE_MAX_NUM_SEQS": "8", "KVSERVE_SERVED_MODEL_NAME": "from-env"}
+    settings = load_settings(config_file, {"served_model_name": "from-flag", "port": None}, environ=env)
+    assert (settings.max_num_seqs, settings.port, settings.served_model_name) == (8, 9000, "from-flag")
+
+
+@pytest.mark.parametrize(
+    ("content", "env", "named"),
+    [
+        ("max_num_seq: 4\n", {}, "max_num_seq"),
+        ("port: many\n", {}, "port"),
+        ("", {"KVSERVE_MAX_NUM_SEQS": "lots"}, "max_num_seqs"),
+        ("- a\n- b\n", {}, "mapping"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_are_refused_by_name(tmp_path, content, env, named):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(content)
+    with pytest.raises(SettingsError, match=named):
+        load_settings(config_file, {}, environ=env)
