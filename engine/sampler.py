@@ -73,7 +73,9 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> t
     """Mask to -inf the tokens that top-k, then top-p, then min-p exclude (each on what the last kept)."""
     vocab_size = logits.shape[1]
     device = logits.device
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab_size for row in rows], device=device)
+    # top_k <= 0 keeps every token, and so does one beyond the vocabulary: clamped, as 2**63 would overflow int64.
+    num_kept_by_top_k = [min(row.params.top_k, vocab_size) if row.params.top_k > 0 else vocab_size for row in rows]
+    top_k = torch.tensor(num_kept_by_top_k, device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], device=device)
 

@@ -54,6 +54,12 @@ def test_top_k_never_picks_outside_the_k_largest_and_can_pick_each_of_them(top_k
     assert set(draws) == allowed
 
 
+@pytest.mark.parametrize("top_k", [len(PROBS), 2**63, 2**64])
+def test_top_k_at_or_beyond_the_vocabulary_keeps_every_token(top_k):
+    # 2**63 and up once overflowed the int64 top-k tensor and failed the whole batch's step.
+    assert set(_draw(_known_logits(), SamplingParams(top_k=top_k), num_draws=2000)) == set(POSITIONS)
+
+
 @pytest.mark.parametrize(
     ("top_p", "num_kept"),
     [
