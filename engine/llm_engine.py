@@ -200,7 +200,9 @@ class LLMEngine:
             return
         new_text = state.detokenizer.decode_new(request.output_token_ids)
         state.text += new_text
-        stop_at = state.stop_matcher.find(state.text, len(new_text))
+        # Like EOS and stop ids, stop strings only count once min_tokens tokens exist.
+        can_stop = len(request.output_token_ids) >= params.min_tokens
+        stop_at = state.stop_matcher.find(state.text, len(new_text) if can_stop else 0)
         if stop_at >= 0:
             state.text = state.text[:stop_at]
             self.scheduler.finish(request, FinishReason.STOP)

@@ -12,7 +12,8 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    `min_tokens` keeps EOS and `stop_token_ids` from being sampled until that many tokens exist.
+    `min_tokens`: until that many tokens exist, EOS and `stop_token_ids` are not sampled and stop
+    strings do not stop the request.
     `temperature == 0` is greedy decoding. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=N` returns the sampled token's log-probability and the N most likely alternatives,
     computed from the model's raw logits (before penalties and temperature).

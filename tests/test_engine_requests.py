@@ -337,3 +337,20 @@ def test_aborting_a_finished_or_unknown_request_returns_none(llm):
     assert llm.engine.abort(request_id) is None
     assert llm.engine.abort("no-such-request") is None
     _assert_nothing_left(llm)
+
+
+def test_stop_strings_do_not_stop_before_min_tokens(llm, greedy_steps):
+    token_ids, text = greedy_steps[-1]
+    early_text = greedy_steps[2][1]  # the text after 3 tokens
+    stop = early_text[-2:]
+    assert len(stop) == 2 and text.find(stop) == len(early_text) - 2
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))
+    (stopped,) = llm.generate(PROMPT, params)
+    assert len(stopped.token_ids) == 3
+
+    (held,) = llm.generate(PROMPT, SamplingParams(**{**params.__dict__, "min_tokens": 10}))
+    assert len(held.token_ids) >= 10
+    assert held.token_ids == token_ids[: len(held.token_ids)]
+    assert text.startswith(held.text)
+    if held.finish_reason == "stop":  # a later occurrence, completed after min_tokens, may stop it
+        assert text[len(held.text) :].startswith(stop) and len(held.text) > len(early_text)
