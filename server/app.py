@@ -4,16 +4,14 @@ import hmac
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.chat import create_chat_completion, render_chat_prompt
 from server.completions import create_completion
 from server.context import ServerContext
-from server.errors import APIError, handle_exception
+from server.errors import HANDLED_ERRORS, APIError, handle_exception
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,6 +66,24 @@ class BodySizeLimit:
         await error.response()(scope, receive, send)
 
 
+class RefuseWhileDraining:
+    """Answers 503 to every request but /health once `state.draining` is set.
+
+    Plain ASGI on purpose: an `@app.middleware("http")` wraps `receive` so that a handler's
+    `request.is_disconnected()` never sees the client go, and a request nobody waits for runs on.
+    """
+
+    def __init__(self, app: ASGIApp, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.state.draining and scope["path"] != "/health":
+            error = APIError(503, "the server is shutting down", type="service_unavailable_error")
+            return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def _replay(messages: list[dict], then: Receive | None = None) -> Receive:
     async def receive() -> dict:
         if messages:
@@ -81,18 +97,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM inference server")
     app.state.ctx = ctx
     app.state.draining = False
-    for error_type in (Exception, APIError, RequestValidationError, StarletteHTTPException):
+    # Starlette answers a handler registered for plain `Exception` and then re-raises the error, so uvicorn
+    # logs a traceback and closes the keep-alive connection: every expected error needs its own entry.
+    for error_type in HANDLED_ERRORS:
         app.add_exception_handler(error_type, handle_exception)
     if ctx.settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=ctx.settings.cors_allow_origins, allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip
     app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
-
-    @app.middleware("http")
-    async def refuse_while_draining(request: Request, call_next):
-        if request.app.state.draining and request.url.path != "/health":
-            return APIError(503, "the server is shutting down", type="service_unavailable_error").response()
-        return await call_next(request)
+    app.add_middleware(RefuseWhileDraining, state=app.state)
 
     def require_api_key(request: Request) -> None:
         expected = ctx.settings.api_key

@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
+from engine.sampling_params import MAX_LOGPROBS
 from server.context import ServerContext
 from server.errors import bad_request
 from server.generation import Generation, sse_stream
@@ -51,6 +52,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        # Checked here, as the engine would name its own field, `logprobs`.
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
     prompt = ctx.engine.engine.tokenize_prompt(render_chat_prompt(ctx, body.messages, body.add_generation_prompt))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:

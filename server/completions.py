@@ -24,7 +24,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     ctx.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    prompts = [ctx.engine.engine.tokenize_prompt(prompt) for prompt in _split_prompts(body.prompt)]
+    raw_prompts = _split_prompts(body.prompt)
+    prompts = [ctx.engine.engine.tokenize_prompt(prompt) for prompt in raw_prompts]
+    echoes = [_echo_text(ctx, body, prompt) for prompt in raw_prompts]
     max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_model_len - max(len(p) for p in prompts)
@@ -34,13 +36,13 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     generation.submit(prompts, params, body.n)
     created = now_s()
     if body.stream:
-        chunks = _stream_chunks(body, ctx, generation, created)
+        chunks = _stream_chunks(body, ctx, generation, created, echoes)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
 
     await generation.run_to_end(request)
     choices = []
     for choice in generation.choices:
-        prefix = ctx.tokenizer.decode(choice.prompt_token_ids) if body.echo else ""
+        prefix = echoes[choice.index // body.n]
         output = choice.output
         logprobs = _logprobs(ctx, output.logprobs, len(prefix)) if output.logprobs is not None else None
         choices.append(CompletionChoice(index=choice.index, text=prefix + output.text, logprobs=logprobs,
@@ -60,8 +62,17 @@ def _split_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt: str | list[int]) -> str:
+    """What echo prepends: a text prompt as given (without the BOS its encoding adds), token ids decoded."""
+    if not body.echo:
+        return ""
+    if isinstance(prompt, str):
+        return prompt
+    return ctx.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens)
+
+
 async def _stream_chunks(
-    body: CompletionRequest, ctx: ServerContext, generation: Generation, created: int
+    body: CompletionRequest, ctx: ServerContext, generation: Generation, created: int, echoes: list[str]
 ) -> AsyncIterator[dict]:
     def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
         payload = {"id": generation.request_id, "object": "text_completion", "created": created,
@@ -73,7 +84,7 @@ async def _stream_chunks(
     text_offsets = {}
     if body.echo:
         for choice in generation.choices:
-            prefix = ctx.tokenizer.decode(choice.prompt_token_ids)
+            prefix = echoes[choice.index // body.n]
             yield chunk([{"index": choice.index, "text": prefix, "logprobs": None, "finish_reason": None}])
     async for choice in generation.updates():
         delta, first_token, end_token = choice.take_delta()
@@ -100,7 +111,10 @@ def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], first_offset: int
         token = ctx.token_text(entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append({ctx.token_text(t): lp for t, lp in entry.top_logprobs})
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top_logprobs:  # most likely first
+            top.setdefault(ctx.token_text(token_id), logprob)  # tokens that read alike keep the likeliest
+        result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(token)
     return result

@@ -64,7 +64,7 @@ def to_api_error(error: Exception) -> APIError:
 
 def _validation_error(error: RequestValidationError) -> APIError:
     first = error.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = _field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}")
     if not location and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
@@ -73,10 +73,31 @@ def _validation_error(error: RequestValidationError) -> APIError:
     return bad_request(f"{param or 'body'}: {first.get('msg')}", param=param)
 
 
+_UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool"})
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The request field a pydantic error is about: without FastAPI's "body" and cut before the union member
+    pydantic names for `str | list[...]` fields ("prompt", not "prompt.list[int]")."""
+    path = []
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, str) and (part in _UNION_MEMBER_NAMES or "[" in part):
+            break
+        path.append(str(part))
+    return path
+
+
 def _type_for_status(status: int) -> str:
     return {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
         status, "invalid_request_error"
     )
+
+
+# Exception classes the app registers `handle_exception` for; `Exception` last, for 500s.
+HANDLED_ERRORS = (
+    APIError, InvalidRequestError, RequestValidationError, StarletteHTTPException,
+    EngineOverloadedError, EngineUnavailableError, EngineStepError, Exception,
+)  # fmt: skip
 
 
 async def handle_exception(request: Request, error: Exception) -> JSONResponse:

@@ -35,6 +35,10 @@ class Choice:
     def take_delta(self) -> tuple[str, int, int]:
         """(new text, first new token index, end token index) since the last call."""
         text = self.visible_text()
+        if len(text) == self.num_sent_chars and not self.output.finished:
+            # Nothing to show yet (held back for a stop string or an incomplete character): the tokens
+            # wait too, so their logprobs go out with their text instead of in a chunk that is never sent.
+            return "", self.num_sent_tokens, self.num_sent_tokens
         delta, self.num_sent_chars = text[self.num_sent_chars :], len(text)
         first_token, self.num_sent_tokens = self.num_sent_tokens, len(self.output.token_ids)
         return delta, first_token, self.num_sent_tokens
@@ -79,8 +83,9 @@ class Generation:
         async def pump(choice: Choice, stream: RequestStream) -> None:
             try:
                 async for output in stream:
-                    choice.output = output
-                    queue.put_nowait(choice)
+                    # The snapshot travels with the choice: a reader still busy with an older one must
+                    # not see a newer one twice (and count a finish twice).
+                    queue.put_nowait((choice, output))
             except Exception as error:
                 queue.put_nowait(error)
 
@@ -91,8 +96,9 @@ class Generation:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                num_finished += item.output.finished
-                yield item
+                choice, choice.output = item
+                num_finished += choice.output.finished
+                yield choice
         finally:
             for task in tasks:
                 task.cancel()

@@ -49,8 +49,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         timeout_s = self.ctx.settings.drain_timeout_s
         if self._draining or timeout_s == 0:
+            # Not uvicorn's handle_exit: it re-raises the signal once shut down, which kills the process before
+            # `serve` shuts the engine down, with another exit status than a drained stop (0).
             self.force_exit = self._draining
-            return super().handle_exit(sig, frame)
+            self.should_exit = True
+            return
         self._draining = True
         self.config.app.state.draining = True
         self.ctx.engine.stop_accepting()

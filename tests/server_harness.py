@@ -43,7 +43,9 @@ class RunningServer:
 @contextmanager
 def running_server(**settings) -> Iterator[RunningServer]:
     ctx = build_context(ServerSettings(**settings))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it every
+    # keep-alive response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -62,3 +64,22 @@ def running_server(**settings) -> Iterator[RunningServer]:
         thread.join(timeout=10)
         ctx.engine.shutdown()
         sock.close()
+
+
+def assert_openai_error(response, status: int, param: str | None = None) -> dict:
+    """`response` has `status` and exactly OpenAI's error body, naming `param`; returns the error object."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert list(body) == ["error"]
+    return assert_error_object(body["error"], param)
+
+
+def assert_error_object(error: dict, param: str | None = None) -> dict:
+    """`error` is an OpenAI error object `{"message", "type", "param", "code"}` naming `param`."""
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] == param, error
+    assert error["code"] is None or isinstance(error["code"], str | int)
+    return error

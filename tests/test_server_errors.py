@@ -1,0 +1,300 @@
+"""Bad requests to the HTTP server: each gets a precise 4xx in OpenAI's error shape, naming the offending
+parameter, and leaves the server serving the next request with no KV block held. Never a 500 for bad input.
+
+Statuses that are not 400: an unknown model and an unknown route are 404, a body over `max_body_bytes` is
+413, and a GET on a POST route is 405. A wrong Content-Type is a 400 (the body is not read as JSON), not a
+415, as in OpenAI's API.
+"""
+
+import http.client
+import json
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.server_harness import assert_openai_error
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MODEL = "tiny-llama"
+CONTEXT_LEN = 512  # max_position_embeddings of the tiny Llama
+VOCAB_SIZE = 512
+MAX_N = 16  # ServerSettings defaults
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_BODY_BYTES = 1 << 20
+VALID_COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
+VALID_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+
+
+def token_ids(num_tokens: int) -> list[int]:
+    """A prompt of `num_tokens` ids, all inside the vocabulary."""
+    return [4 + i % (VOCAB_SIZE - 4) for i in range(num_tokens)]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    # One keep-alive connection for the module: an error response must not cost the client its connection.
+    with httpx.Client(base_url=server.base_url, timeout=30, limits=httpx.Limits(max_connections=1)) as client:
+        yield client
+
+
+def assert_refused(server, client, response, status: int, param: str | None = None) -> dict:
+    """The error is `status` in OpenAI's shape; afterwards a valid request succeeds and no block stays held."""
+    error = assert_openai_error(response, status, param)
+    assert client.post(COMPLETIONS, json=VALID_COMPLETION).status_code == 200
+    server.wait_until_idle()
+    assert server.engine.kv_usage().num_used_blocks == 0
+    return error
+
+
+# The context window
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_window_is_refused_with_both_counts(server, client):
+    response = client.post(COMPLETIONS, json={"model": MODEL, "prompt": token_ids(100), "max_tokens": 413})
+    error = assert_refused(server, client, response, 400, param="max_tokens")
+    assert "100" in error["message"] and "413" in error["message"] and str(CONTEXT_LEN) in error["message"]
+
+
+def test_a_prompt_and_max_tokens_that_exactly_fill_the_context_window_are_served(client):
+    response = client.post(COMPLETIONS, json={"model": MODEL, "prompt": token_ids(CONTEXT_LEN - 1), "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"] == {"prompt_tokens": 511, "completion_tokens": 1, "total_tokens": 512}
+
+
+@pytest.mark.parametrize("num_prompt_tokens", [CONTEXT_LEN, 600])
+def test_a_prompt_that_leaves_no_room_for_output_is_refused(server, client, num_prompt_tokens):
+    response = client.post(COMPLETIONS, json={"model": MODEL, "prompt": token_ids(num_prompt_tokens)})
+    error = assert_refused(server, client, response, 400, param="prompt")
+    assert str(num_prompt_tokens) in error["message"] and str(CONTEXT_LEN) in error["message"]
+
+
+def test_chat_max_tokens_beyond_the_context_window_is_refused(server, client):
+    response = client.post(CHAT, json={**VALID_CHAT, "max_tokens": CONTEXT_LEN})
+    assert_refused(server, client, response, 400, param="max_tokens")
+
+
+# Sampling fields out of range (the engine's checks, reported by field)
+
+OUT_OF_RANGE = {
+    "max_tokens 0": ({"max_tokens": 0}, "max_tokens"),
+    "max_tokens -1": ({"max_tokens": -1}, "max_tokens"),
+    "max_tokens 2**63": ({"max_tokens": 2**63}, "max_tokens"),
+    "min_tokens above max_tokens": ({"min_tokens": 3}, "min_tokens"),
+    "temperature -1": ({"temperature": -1}, "temperature"),
+    "top_p 0": ({"top_p": 0}, "top_p"),
+    "top_p 1.5": ({"top_p": 1.5}, "top_p"),
+    "top_k -2": ({"top_k": -2}, "top_k"),
+    "min_p 1.5": ({"min_p": 1.5}, "min_p"),
+    "min_p -0.1": ({"min_p": -0.1}, "min_p"),
+    "presence_penalty 3": ({"presence_penalty": 3}, "presence_penalty"),
+    "frequency_penalty 3": ({"frequency_penalty": 3}, "frequency_penalty"),
+    "repetition_penalty 0": ({"repetition_penalty": 0}, "repetition_penalty"),
+    "seed 2**64": ({"seed": 2**64}, "seed"),
+    "logprobs 21": ({"logprobs": 21}, "logprobs"),
+    "logprobs -1": ({"logprobs": -1}, "logprobs"),
+    "empty stop string": ({"stop": [""]}, "stop"),
+    "stop token id -1": ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    "stop token id = vocab size": ({"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+}
+
+
+@pytest.mark.parametrize(("fields", "param"), OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
+def test_an_out_of_range_sampling_field_is_a_400_naming_it(server, client, fields, param):
+    response = client.post(COMPLETIONS, json={**VALID_COMPLETION, **fields})
+    assert_refused(server, client, response, 400, param=param)
+
+
+NON_FINITE = [("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "-Infinity"), ("top_p", "NaN")]
+
+
+@pytest.mark.parametrize(("field", "literal"), NON_FINITE, ids=[f"{f} {v}" for f, v in NON_FINITE])
+def test_a_non_finite_number_is_a_400_naming_its_field(server, client, field, literal):
+    # json.dumps refuses NaN and Infinity; clients that send them write the literals by hand.
+    body = f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 2, "{field}": {literal}}}'
+    response = client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
+    error = assert_refused(server, client, response, 400, param=field)
+    assert "finite" in error["message"]
+
+
+@pytest.mark.parametrize("fields", [{"top_p": 1}, {"top_k": -1}, {"top_k": 2**64}, {"min_p": 1}, {"temperature": 0}])
+def test_the_edges_of_the_sampling_ranges_are_served(server, client, fields):
+    # top_k beyond the vocabulary keeps every token; 2**64 once overflowed in the sampler and failed the whole batch.
+    response = client.post(COMPLETIONS, json={**VALID_COMPLETION, **fields})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+# Prompts and messages
+
+BAD_PROMPTS = {
+    "empty string": "",
+    "empty list": [],
+    "list of an empty list": [[]],
+    "empty second prompt": ["Hi", ""],
+    "token id -1": [-1],
+    "token id = vocab size": [VOCAB_SIZE],
+    "token id -1 in a batch": [[5], [-1]],
+    "a number": 5,
+    "an object": {"text": "Hi"},
+    "a float token id": [1.5],
+}
+
+
+@pytest.mark.parametrize("prompt", BAD_PROMPTS.values(), ids=BAD_PROMPTS.keys())
+def test_an_empty_or_out_of_vocabulary_prompt_is_a_400_naming_the_prompt(server, client, prompt):
+    response = client.post(COMPLETIONS, json={**VALID_COMPLETION, "prompt": prompt})
+    assert_refused(server, client, response, 400, param="prompt")
+
+
+BAD_CHATS = {
+    "empty messages": ({"messages": []}, "messages"),
+    "no messages": ({"messages": None}, "messages"),
+    "a tool role": ({"messages": [{"role": "tool", "content": "Hi"}]}, "messages.0.role"),
+    "a number as content": ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    "an image part": (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages.0.content",
+    ),
+    "top_logprobs without logprobs": ({"top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs 21": ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "top_logprobs -1": ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+}
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_CHATS.values(), ids=BAD_CHATS.keys())
+def test_a_bad_chat_request_is_a_400_naming_the_field(server, client, fields, param):
+    response = client.post(CHAT, json={**VALID_CHAT, **fields})
+    assert_refused(server, client, response, 400, param=param)
+
+
+# The server's own limits
+
+SERVER_LIMITS = {
+    "n 0": ({"n": 0}, "n"),
+    "n above max_n": ({"n": MAX_N + 1}, "n"),
+    "too many stop strings": ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    "a too-long stop string": ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+}
+
+
+@pytest.mark.parametrize(("fields", "param"), SERVER_LIMITS.values(), ids=SERVER_LIMITS.keys())
+def test_a_request_over_a_server_limit_is_a_400_naming_the_field(server, client, fields, param):
+    response = client.post(COMPLETIONS, json={**VALID_COMPLETION, **fields})
+    assert_refused(server, client, response, 400, param=param)
+
+
+def test_an_unknown_model_is_a_404_naming_the_model(server, client):
+    for route, body in [(COMPLETIONS, VALID_COMPLETION), (CHAT, VALID_CHAT)]:
+        response = client.post(route, json={**body, "model": "gpt-4"})
+        error = assert_refused(server, client, response, 404, param="model")
+        assert error["code"] == "model_not_found" and "gpt-4" in error["message"]
+
+
+# Bodies that are not a JSON request object
+
+BAD_BODIES = {
+    "malformed JSON": b'{"prompt": "Hi",',
+    "a JSON array": b'["Hi"]',
+    "a JSON string": b'"Hi"',
+    "JSON null": b"null",
+    "an empty body": b"",
+    "invalid UTF-8": b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+}
+
+
+@pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_a_body_that_is_not_a_json_object_is_a_400(server, client, body):
+    response = client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
+    assert_refused(server, client, response, 400)
+
+
+def test_a_body_with_a_wrong_content_type_is_a_400(server, client):
+    response = client.post(COMPLETIONS, content=json.dumps(VALID_COMPLETION), headers={"content-type": "text/plain"})
+    assert_refused(server, client, response, 400)
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nothing"), ("POST", "/v1/engines"), ("GET", "/")])
+def test_an_unknown_route_is_a_404_in_the_same_shape(server, client, method, path):
+    assert_refused(server, client, client.request(method, path), 404)
+
+
+def test_a_get_on_a_post_route_is_a_405_in_the_same_shape(server, client):
+    assert_refused(server, client, client.get(COMPLETIONS), 405)
+
+
+def _oversized_body() -> bytes:
+    body = json.dumps({**VALID_COMPLETION, "prompt": "a" * MAX_BODY_BYTES}).encode()
+    assert len(body) > MAX_BODY_BYTES
+    return body
+
+
+def test_a_body_over_max_body_bytes_is_a_413_by_its_content_length(server, client):
+    response = client.post(COMPLETIONS, content=_oversized_body(), headers={"content-type": "application/json"})
+    assert_refused(server, client, response, 413)
+
+
+def test_a_chunked_body_over_max_body_bytes_is_a_413(server, client):
+    body = _oversized_body()
+    chunks = (body[i : i + 64 * 1024] for i in range(0, len(body), 64 * 1024))  # a generator: no Content-Length
+    response = client.post(COMPLETIONS, content=chunks, headers={"content-type": "application/json"})
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    assert_refused(server, client, response, 413)
+
+
+def test_a_chunked_body_under_max_body_bytes_is_served(client):
+    body = json.dumps(VALID_COMPLETION).encode()
+    chunks = iter([body[:10], body[10:]])
+    response = client.post(COMPLETIONS, content=chunks, headers={"content-type": "application/json"})
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    assert response.status_code == 200, response.text
+
+
+# The connection and the whole input space
+
+
+def test_an_error_response_keeps_the_keep_alive_connection_open(server):
+    # Errors the app did not register a handler for went to Starlette's catch-all, which answered and then
+    # re-raised: uvicorn logged a traceback and closed the connection, so the next request on it failed.
+    address = urlsplit(server.base_url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    headers = {"content-type": "application/json"}
+    try:
+        for body, status in [({**VALID_COMPLETION, "max_tokens": 0}, 400), (VALID_COMPLETION, 200)]:
+            connection.request("POST", COMPLETIONS, body=json.dumps(body), headers=headers)
+            response = connection.getresponse()
+            response.read()
+            assert response.status == status
+            assert response.getheader("connection") != "close"
+        assert connection.sock is not None  # http.client reopens silently only after a "Connection: close"
+    finally:
+        connection.close()
+
+
+WRONG_VALUES = [None, True, "x", [], {}, -1, 2**64, 1e308, -1e308, [2**64], ["x"], [None]]
+COMPLETION_FIELDS = [
+    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+    "frequency_penalty", "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty",
+    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "logprobs", "echo",
+]  # fmt: skip
+CHAT_FIELDS = ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"]
+
+
+def test_no_wrongly_typed_or_extreme_value_in_any_field_is_a_server_error(server, client):
+    requests = [(COMPLETIONS, VALID_COMPLETION, field) for field in COMPLETION_FIELDS]
+    requests += [(CHAT, VALID_CHAT, field) for field in CHAT_FIELDS]
+    answers = {}
+    for route, valid, field in requests:
+        for value in WRONG_VALUES:
+            if field in ("max_tokens", "max_completion_tokens") and value is None:
+                continue  # valid, and fills the whole context window: slow, and no error case
+            response = client.post(route, json={**valid, field: value})
+            answers[(route, field, repr(value))] = response.status_code
+            if response.status_code != 200:
+                assert_openai_error(response, response.status_code, param=response.json()["error"]["param"])
+    assert {key: status for key, status in answers.items() if not 200 <= status < 500} == {}
+    assert sum(status == 400 for status in answers.values()) > len(answers) // 2
+    server.wait_until_idle()
+    assert server.engine.kv_usage().num_used_blocks == 0

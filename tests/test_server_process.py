@@ -1,0 +1,209 @@
+"""`kvserve serve` as a real process on a loopback port: draining on SIGTERM, stopping at once, and settings
+from a YAML file, KVSERVE_* variables and flags. Every process is bounded by timeouts and killed at the end."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_harness import assert_openai_error
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-llama"
+COMPLETIONS = "/v1/completions"
+KV_CACHE_BYTES = 8 << 20
+STARTUP_TIMEOUT_S = 90
+EXIT_TIMEOUT_S = 30
+SHORT = {"prompt": "Once upon a time", "max_tokens": 2}
+# Four sequences of 500 tokens: seconds of work on a CPU, so it is still running when SIGTERM comes.
+LONG = {"prompt": "Hi", "max_tokens": 500, "n": 4, "ignore_eos": True}
+SUBMIT_WAIT_S = 0.5  # after the long request left the client: ample for a loopback server to queue it
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout_s: float = 10.0) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while (match := re.search(pattern, self.log())) is None:
+            assert time.monotonic() < deadline, f"no {pattern!r} in the log:\n{self.log()}"
+            time.sleep(0.05)
+        return match
+
+    def wait_for_exit(self, timeout_s: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within {timeout_s} s:\n{self.log()}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(model_dir: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+            *flags]  # fmt: skip
+
+
+def process_env(tmp_path: Path, **variables: str) -> dict[str, str]:
+    """This process's environment without its KVSERVE_* settings, plus `variables` and a private cache dir."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KVSERVE_")}
+    return {**env, "KVSERVE_CACHE_DIR": str(tmp_path / "cache"), **variables}
+
+
+@contextmanager
+def serve_process(model_dir: Path, tmp_path: Path, *flags: str, **env: str) -> Iterator[ServerProcess]:
+    """`kvserve serve` on a free port, once its /health answers 200; killed on the way out if still running."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            serve_command(model_dir, "--port", str(port), *flags), env=process_env(tmp_path, **env), cwd=REPO_ROOT,
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        _wait_until_healthy(server)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def _wait_until_healthy(server: ServerProcess) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        assert server.process.poll() is None, f"the server exited while starting:\n{server.log()}"
+        assert time.monotonic() < deadline, f"no healthy server after {STARTUP_TIMEOUT_S} s:\n{server.log()}"
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
+class BackgroundRequest:
+    """A POST sent from a thread: its response (or transport error) and when it came back."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.sent = threading.Event()
+        self.response: httpx.Response | None = None
+        self.error: httpx.TransportError | None = None
+        self.done_s: float | None = None
+        self._thread = threading.Thread(target=self._post, args=(url, body), daemon=True)
+        self._thread.start()
+        assert self.sent.wait(10), "the request was never sent"
+        time.sleep(SUBMIT_WAIT_S)
+
+    def _post(self, url: str, body: dict) -> None:
+        hooks = {"request": [lambda request: self.sent.set()]}
+        try:
+            with httpx.Client(timeout=60, event_hooks=hooks) as client:
+                self.response = client.post(url, json=body)
+        except httpx.TransportError as error:
+            self.error = error
+        self.done_s = time.monotonic()
+
+    def join(self, timeout_s: float = 60) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the request did not come back"
+
+
+# Stopping
+
+
+def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(tiny_checkpoints, tmp_path):
+    flags = ("--drain-timeout-s", "20", "--served-model-name", MODEL)
+    with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
+        in_flight = BackgroundRequest(server.base_url + COMPLETIONS, LONG)
+        server.process.send_signal(signal.SIGTERM)
+
+        draining = server.wait_for_log(r"draining: (\d+) requests in flight")
+        assert int(draining[1]) == LONG["n"]  # one engine request per choice
+        refused = httpx.post(server.base_url + COMPLETIONS, json=SHORT, timeout=30)
+        refused_s = time.monotonic()
+        assert_openai_error(refused, 503)
+        assert httpx.get(server.base_url + "/health", timeout=30).status_code == 503
+
+        in_flight.join()
+        assert in_flight.error is None and in_flight.response.status_code == 200, in_flight.response.text
+        choices = in_flight.response.json()["choices"]
+        assert [choice["finish_reason"] for choice in choices] == ["length"] * LONG["n"]
+        assert in_flight.response.json()["usage"]["completion_tokens"] == LONG["n"] * LONG["max_tokens"]
+        assert refused_s < in_flight.done_s  # the 503 came while the long request was still running
+        assert server.wait_for_exit(EXIT_TIMEOUT_S) == 0
+
+
+def test_with_no_drain_timeout_sigterm_stops_at_once_without_waiting_for_requests(tiny_checkpoints, tmp_path):
+    with serve_process(tiny_checkpoints["llama"], tmp_path, "--drain-timeout-s", "0") as server:
+        in_flight = BackgroundRequest(server.base_url + COMPLETIONS, {**LONG, "n": 16})
+        signalled_s = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+
+        assert server.wait_for_exit(5) == 0
+        assert time.monotonic() - signalled_s < 5
+        in_flight.join()
+        assert in_flight.done_s - signalled_s < 5
+        assert in_flight.error is not None or in_flight.response.status_code != 200
+        assert "draining" not in server.log()
+
+
+# Settings
+
+
+def test_flags_override_env_variables_which_override_the_yaml_file(tiny_checkpoints, tmp_path):
+    config = tmp_path / "kvserve.yaml"
+    config.write_text("served_model_name: from-yaml\nmax_n: 2\nmax_stop_strings: 2\n")
+    env = {"KVSERVE_SERVED_MODEL_NAME": "from-env", "KVSERVE_MAX_N": "3"}
+    flags = ("--config", str(config), "--served-model-name", "from-flag")
+    with (
+        serve_process(tiny_checkpoints["llama"], tmp_path, *flags, **env) as server,
+        httpx.Client(base_url=server.base_url, timeout=30) as client,
+    ):
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["from-flag"]  # flag > env > YAML
+        too_many_choices = client.post(COMPLETIONS, json={**SHORT, "n": 4})
+        assert "[1, 3]" in assert_openai_error(too_many_choices, 400, param="n")["message"]  # env > YAML
+        too_many_stops = client.post(COMPLETIONS, json={**SHORT, "stop": ["a", "b", "c"]})
+        assert "at most 2" in assert_openai_error(too_many_stops, 400, param="stop")["message"]  # YAML > default
+        assert client.post(COMPLETIONS, json={**SHORT, "model": "from-flag", "n": 3}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("config_text", "env", "named"),
+    [
+        ("served_model_name: x\nmax_batch_size: 8\n", {}, "max_batch_size"),
+        ("served_model_name: x\n", {"KVSERVE_MAX_N": "lots"}, "max_n"),
+    ],
+    ids=["unknown key in the YAML file", "wrongly typed env variable"],
+)
+def test_a_bad_setting_stops_the_process_with_a_message_naming_it(tiny_checkpoints, tmp_path, config_text, env, named):
+    config = tmp_path / "kvserve.yaml"
+    config.write_text(config_text)
+    command = serve_command(tiny_checkpoints["llama"], "--config", str(config), "--port", str(free_port()))
+    result = subprocess.run(
+        command, env=process_env(tmp_path, **env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert re.search(rf"\b{named}\b", result.stderr), result.stderr
