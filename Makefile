@@ -9,7 +9,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run test test-slow lint bench clean
+.PHONY: install run generate test test-slow lint bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ endif
 install: $(VENV)/.installed
 
 run: install
+	$(BIN)/kvserve serve
+
+generate: install
 	$(BIN)/kvserve generate
 
 test: install
@@ -39,6 +42,9 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/offline_throughput.py
+
+bench-serve: install
+	$(BIN)/python benchmarks/serve_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
