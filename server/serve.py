@@ -19,11 +19,12 @@ DRAIN_POLL_S = 0.1
 
 
 def build_context(settings: ServerSettings) -> ServerContext:
-    engine = LLMEngine(settings.engine_config())
     default_name = Path(settings.model).name if settings.model else DEFAULT_MODEL_NAME
     return ServerContext(
         settings=settings,
-        engine=AsyncLLMEngine(engine, max_queued_requests=settings.max_queued_requests),
+        engine=AsyncLLMEngine(
+            lambda: LLMEngine(settings.engine_config()), max_queued_requests=settings.max_queued_requests
+        ),
         model_name=settings.served_model_name or default_name,
         chat_template=_read_chat_template(settings.chat_template),
     )

@@ -135,7 +135,8 @@ class BackgroundRequest:
 
 
 def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(tiny_checkpoints, tmp_path):
-    flags = ("--drain-timeout-s", "20", "--served-model-name", MODEL)
+    # One sequence at a time keeps the request in flight long after the signal, on any CPU.
+    flags = ("--drain-timeout-s", "20", "--served-model-name", MODEL, "--max-num-seqs", "1")
     with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
         in_flight = BackgroundRequest(server.base_url + COMPLETIONS, LONG)
         server.process.send_signal(signal.SIGTERM)
@@ -157,7 +158,9 @@ def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(
 
 
 def test_with_no_drain_timeout_sigterm_stops_at_once_without_waiting_for_requests(tiny_checkpoints, tmp_path):
-    with serve_process(tiny_checkpoints["llama"], tmp_path, "--drain-timeout-s", "0") as server:
+    # One sequence at a time: the 16 choices take far longer than the 5 s this test allows.
+    flags = ("--drain-timeout-s", "0", "--max-num-seqs", "1")
+    with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
         in_flight = BackgroundRequest(server.base_url + COMPLETIONS, {**LONG, "n": 16})
         signalled_s = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
