@@ -21,7 +21,6 @@ from server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
     Usage,
-    now_s,
     random_id,
 )
 
@@ -62,11 +61,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
 
-    generation = Generation(ctx.engine, random_id("chatcmpl"), ctx.count_disconnect)
+    generation = Generation(ctx.engine, random_id("chatcmpl"), ctx.model_name, ctx.count_disconnect)
     generation.submit([prompt], params, body.n)
-    created = now_s()
     if body.stream:
-        chunks = _stream_chunks(body, ctx, generation, created)
+        chunks = _stream_chunks(body, ctx, generation)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
 
     await generation.run_to_end(request)
@@ -80,38 +78,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         for choice in generation.choices
     ]
     response = ChatCompletionResponse(
-        id=generation.request_id, created=created, model=ctx.model_name, choices=choices,
+        id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
         usage=Usage.of(len(prompt), sum(len(c.output.token_ids) for c in generation.choices)),
     )  # fmt: skip
     return JSONResponse(response.model_dump())
 
 
 async def _stream_chunks(
-    body: ChatCompletionRequest, ctx: ServerContext, generation: Generation, created: int
+    body: ChatCompletionRequest, ctx: ServerContext, generation: Generation
 ) -> AsyncIterator[dict]:
-    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
-        payload = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created,
-                   "model": ctx.model_name, "choices": choices}  # fmt: skip
-        if usage is not None:
-            payload["usage"] = usage.model_dump()
-        return payload
-
+    object_name = "chat.completion.chunk"
     for choice in generation.choices:
         delta = {"role": "assistant", "content": ""}
-        yield chunk([{"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}])
-    async for choice in generation.updates():
-        text, first_token, end_token = choice.take_delta()
-        finish_reason = choice.output.finish_reason
-        if not text and finish_reason is None:
-            continue
-        logprobs = None
-        if choice.output.logprobs is not None:
-            logprobs = _logprobs(ctx, choice.output.logprobs[first_token:end_token]).model_dump()
+        yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": None,
+                                              "finish_reason": None}])  # fmt: skip
+    async for choice, text, entries in generation.deltas():
+        logprobs = _logprobs(ctx, entries).model_dump() if entries is not None else None
         delta = {"content": text} if text else {}
-        yield chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": choice.output.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         prompt_tokens = len(generation.choices[0].prompt_token_ids)
-        yield chunk([], Usage.of(prompt_tokens, sum(len(c.output.token_ids) for c in generation.choices)))
+        usage = Usage.of(prompt_tokens, sum(len(c.output.token_ids) for c in generation.choices))
+        yield generation.chunk(object_name, [], usage)
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> ChatLogprobs:

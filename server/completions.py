@@ -15,7 +15,6 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Usage,
-    now_s,
     random_id,
 )
 
@@ -32,11 +31,10 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         max_tokens = ctx.max_model_len - max(len(p) for p in prompts)
     params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
 
-    generation = Generation(ctx.engine, random_id("cmpl"), ctx.count_disconnect)
+    generation = Generation(ctx.engine, random_id("cmpl"), ctx.model_name, ctx.count_disconnect)
     generation.submit(prompts, params, body.n)
-    created = now_s()
     if body.stream:
-        chunks = _stream_chunks(body, ctx, generation, created, echoes)
+        chunks = _stream_chunks(body, ctx, generation, echoes)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
 
     await generation.run_to_end(request)
@@ -48,7 +46,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         choices.append(CompletionChoice(index=choice.index, text=prefix + output.text, logprobs=logprobs,
                                         finish_reason=output.finish_reason))  # fmt: skip
     response = CompletionResponse(
-        id=generation.request_id, created=created, model=ctx.model_name, choices=choices,
+        id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
         usage=_usage(prompts, generation.choices),
     )  # fmt: skip
     return JSONResponse(response.model_dump())
@@ -72,36 +70,27 @@ def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt: str | list[i
 
 
 async def _stream_chunks(
-    body: CompletionRequest, ctx: ServerContext, generation: Generation, created: int, echoes: list[str]
+    body: CompletionRequest, ctx: ServerContext, generation: Generation, echoes: list[str]
 ) -> AsyncIterator[dict]:
-    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
-        payload = {"id": generation.request_id, "object": "text_completion", "created": created,
-                   "model": ctx.model_name, "choices": choices}  # fmt: skip
-        if usage is not None:
-            payload["usage"] = usage.model_dump()
-        return payload
-
+    object_name = "text_completion"
     text_offsets = {}
     if body.echo:
         for choice in generation.choices:
             prefix = echoes[choice.index // body.n]
-            yield chunk([{"index": choice.index, "text": prefix, "logprobs": None, "finish_reason": None}])
-    async for choice in generation.updates():
-        delta, first_token, end_token = choice.take_delta()
-        finish_reason = choice.output.finish_reason
-        if not delta and finish_reason is None:
-            continue
+            yield generation.chunk(object_name, [{"index": choice.index, "text": prefix, "logprobs": None,
+                                                  "finish_reason": None}])  # fmt: skip
+    async for choice, text, entries in generation.deltas():
         logprobs = None
-        if choice.output.logprobs is not None:
+        if entries is not None:
             offset = text_offsets.get(choice.index, 0)
-            entries = choice.output.logprobs[first_token:end_token]
             logprobs = _logprobs(ctx, entries, offset)
             text_offsets[choice.index] = offset + sum(len(t) for t in logprobs.tokens)
             logprobs = logprobs.model_dump()
-        yield chunk([{"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        yield generation.chunk(object_name, [{"index": choice.index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": choice.output.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         prompts = [choice.prompt_token_ids for choice in generation.choices[:: body.n]]
-        yield chunk([], _usage(prompts, generation.choices))
+        yield generation.chunk(object_name, [], _usage(prompts, generation.choices))
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], first_offset: int) -> CompletionLogprobs:

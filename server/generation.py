@@ -8,10 +8,11 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 
-from engine import RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams, TokenLogprob
 from engine.async_engine import AsyncLLMEngine, RequestStream
 from engine.detokenizer import StopStringMatcher
 from server.errors import APIError, to_api_error
+from server.protocol import Usage, now_s
 
 DISCONNECT_POLL_S = 0.25
 
@@ -47,9 +48,13 @@ class Choice:
 class Generation:
     """All choices of one API request, submitted to the engine together and aborted together."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, on_disconnect: Callable[[], None]) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, request_id: str, model_name: str, on_disconnect: Callable[[], None]
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.model_name = model_name
+        self.created = now_s()
         self.on_disconnect = on_disconnect
         self.choices: list[Choice] = []
         self._streams: list[RequestStream] = []
@@ -103,6 +108,23 @@ class Generation:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob] | None]]:
+        """Each choice's new text and the logprobs of the tokens behind it; updates with nothing to send are skipped."""
+        async for choice in self.updates():
+            text, first_token, end_token = choice.take_delta()
+            if not text and choice.output.finish_reason is None:
+                continue
+            logprobs = choice.output.logprobs
+            yield choice, text, (logprobs[first_token:end_token] if logprobs is not None else None)
+
+    def chunk(self, object_name: str, choices: list[dict], usage: Usage | None = None) -> dict:
+        """A streamed chunk object of this request."""
+        payload = {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model_name,
+                   "choices": choices}  # fmt: skip
+        if usage is not None:
+            payload["usage"] = usage.model_dump()
+        return payload
 
     async def run_to_end(self, request: Request) -> None:
         """Wait for every choice to finish; if the client goes away first, abort and count it."""

@@ -591,7 +591,7 @@ def test_each_choice_finishes_once_even_when_its_snapshots_queue_up_behind_a_slo
 
     async def read_all() -> list[tuple[int, str | None]]:
         engine = FakeEngine()
-        generation = Generation(engine, "cmpl-x", on_disconnect=lambda: None)
+        generation = Generation(engine, "cmpl-x", "tiny-llama", on_disconnect=lambda: None)
         generation.submit([[1]], SamplingParams(), n=2)
         updates = generation.updates()
         engine.streams["cmpl-x-1"].publish(snapshot(1, [5], None))
