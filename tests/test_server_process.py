@@ -142,7 +142,8 @@ def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(
         server.process.send_signal(signal.SIGTERM)
 
         draining = server.wait_for_log(r"draining: (\d+) requests in flight")
-        assert int(draining[1]) == LONG["n"]  # one engine request per choice
+        # One engine request per choice; the first choice may already be done, as they run one at a time.
+        assert 1 <= int(draining[1]) <= LONG["n"]
         refused = httpx.post(server.base_url + COMPLETIONS, json=SHORT, timeout=30)
         refused_s = time.monotonic()
         assert_openai_error(refused, 503)
