@@ -83,6 +83,8 @@ class _Abort:
 class AsyncLLMEngine:
     """Thread-backed front of `LLMEngine` for asyncio servers."""
 
+    engine: LLMEngine  # built on the engine thread; read-only elsewhere (tokenizer, limits, usage)
+
     def __init__(
         self, make_engine: Callable[[], LLMEngine], max_queued_requests: int, stall_timeout_s: float = 60.0
     ) -> None:
