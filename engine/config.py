@@ -16,7 +16,10 @@ class EngineConfig:
     kv_cache_memory_bytes: byte budget of the KV cache; None means 1 GiB on CPU and
         `gpu_memory_utilization` of the GPU's memory, less what the model and a warm-up step use, on CUDA.
     max_model_len: context window; None means the model's.
-    max_num_batched_tokens: per-step token budget; None means max(2048, max_model_len).
+    max_num_batched_tokens: per-step token budget; None means 2048, or max(2048, max_model_len) without
+        chunked prefill (then a whole prompt must fit in one step).
+    enable_chunked_prefill: compute long prompts over several steps, beside the decodes.
+    max_prefill_chunk_tokens: cap on one request's prefill chunk per step; None means the budget.
     """
 
     model: str | None = None
@@ -27,6 +30,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    max_prefill_chunk_tokens: int | None = None
     max_model_len: int | None = None
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"

@@ -66,11 +66,12 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
 
-        max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
-        if max_num_batched_tokens < self.max_model_len:
+        default_budget = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)
+        max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        if not config.enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): a whole prompt is prefilled in one step"
+                f"({self.max_model_len}) without chunked prefill: a whole prompt is prefilled in one step"
             )
         spec = KVCacheSpec(
             num_layers=model_config.num_layers,
@@ -90,6 +91,8 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 watermark_blocks=int(num_blocks * config.watermark_fraction),
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
             ),
             BlockAllocator(num_blocks),
             config.block_size,

@@ -8,12 +8,16 @@ class SchedulerConfig:
     """Per-step limits of the scheduler.
 
     `watermark_blocks` is kept free at admission so running requests can still grow a little
-    before anything must be preempted.
+    before anything must be preempted. With `enable_chunked_prefill`, a prompt longer than what is
+    left of the step's token budget (or than `max_prefill_chunk_tokens`) is computed over several
+    steps, alongside the decodes; without it, a prompt waits until it fits whole.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     watermark_blocks: int = 0
+    enable_chunked_prefill: bool = False
+    max_prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -22,3 +26,5 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.watermark_blocks < 0:
             raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens < 1:
+            raise ValueError(f"max_prefill_chunk_tokens must be >= 1, got {self.max_prefill_chunk_tokens}")

@@ -1,9 +1,10 @@
 """Continuous batching: FCFS admission under KV-block and token budgets, preemption by recompute.
 
-Every step schedules "N new tokens per request" in one batch: a request's whole uncomputed
-tail (the prompt on first run, everything again after a preemption) or, when decoding, its one
-last sampled token. Running requests are served oldest first; when one cannot grow, the most
-recently admitted request is preempted (its blocks freed, put back at the front of the queue).
+Every step schedules "N new tokens per request" in one batch: a request's uncomputed tail (the
+prompt on first run, everything again after a preemption; in chunks under the token budget when
+chunked prefill is on) or, when decoding, its one last sampled token. Decoding requests are served
+first, then unfinished prefills, each oldest first; when one cannot grow, the most recently
+admitted request is preempted (its blocks freed, put back at the front of the queue).
 """
 
 from collections import deque
@@ -41,15 +42,17 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        for request in list(self.running):
+        decoding = [request for request in self.running if request.num_uncomputed_tokens == 1]
+        prefilling = [request for request in self.running if request.num_uncomputed_tokens > 1]
+        for request in decoding + prefilling:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
-            num_new_tokens = request.num_uncomputed_tokens
-            if num_new_tokens > token_budget:
+            num_new_tokens = self._num_tokens_to_run(request, token_budget)
+            if not num_new_tokens:
                 continue
             if not self._grow_or_preempt(request, num_new_tokens, preempted):
                 continue
-            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            scheduled.append(ScheduledRequest.of(request, num_new_tokens))
             token_budget -= num_new_tokens
         if not preempted:
             self._admit_waiting(token_budget, scheduled)
@@ -94,6 +97,14 @@ class Scheduler:
             block_size=self.block_size,
         )
 
+    def _num_tokens_to_run(self, request: Request, token_budget: int) -> int:
+        """How many of the request's uncomputed tokens fit this step; 0 if it must wait."""
+        num_tokens = request.num_uncomputed_tokens
+        if not self.config.enable_chunked_prefill:
+            return num_tokens if num_tokens <= token_budget else 0
+        chunk_limit = self.config.max_prefill_chunk_tokens or token_budget
+        return min(num_tokens, token_budget, chunk_limit)
+
     def _num_blocks_to_add(self, request: Request, num_new_tokens: int) -> int:
         num_tokens_after = request.num_computed_tokens + num_new_tokens
         return -(-num_tokens_after // self.block_size) - len(request.block_ids)
@@ -115,8 +126,8 @@ class Scheduler:
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new_tokens = request.num_uncomputed_tokens
-            if num_new_tokens > token_budget:
+            num_new_tokens = self._num_tokens_to_run(request, token_budget)
+            if not num_new_tokens:
                 return
             num_blocks = self._num_blocks_to_add(request, num_new_tokens)
             # The watermark keeps room for running requests to grow; an idle engine admits anyway.
@@ -127,7 +138,7 @@ class Scheduler:
             request.block_ids.extend(self.allocator.allocate(num_blocks))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            scheduled.append(ScheduledRequest.of(request, num_new_tokens))
             token_budget -= num_new_tokens
 
     def _preempt_newest(self) -> Request:

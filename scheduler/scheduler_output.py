@@ -7,19 +7,21 @@ from scheduler.request import Request
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """Run `num_new_tokens` tokens of `request`, starting at its `num_computed_tokens`."""
+    """Run `num_new_tokens` tokens of `request` from `start_position`, as decided when scheduling.
+
+    `samples_next_token` is True when this chunk reaches the request's last token, so its logits
+    give the next one (False for all but the last chunk of a chunked prefill).
+    """
 
     request: Request
     num_new_tokens: int
+    start_position: int
+    samples_next_token: bool
 
-    @property
-    def start_position(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def samples_next_token(self) -> bool:
-        """True when this chunk reaches the request's last token, so its logits give the next one."""
-        return self.start_position + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
+        start = request.num_computed_tokens
+        return cls(request, num_new_tokens, start, start + num_new_tokens == request.num_tokens)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ class ServerSettings(BaseModel):
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    max_prefill_chunk_tokens: int | None = None
     max_model_len: int | None = None
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"

@@ -18,6 +18,12 @@ SCHEDULING_PATHS = {
     "staggered": {"max_num_seqs": 3},
     # 10 blocks of 16 tokens (8 KiB each for these models) cannot hold the batch: forces preemption.
     "preempting": {"kv_cache_memory_bytes": 10 * 8192},
+    # 24 tokens a step, at most 7 per prefill chunk: prompts are computed over many steps, beside decodes.
+    "chunked": {"max_num_batched_tokens": 24, "max_prefill_chunk_tokens": 7},
+    # Whole prompts only (the budget covers the 512-token context).
+    "unchunked": {"enable_chunked_prefill": False},
+    # Chunks and preemption together.
+    "chunked_preempting": {"max_num_batched_tokens": 20, "kv_cache_memory_bytes": 10 * 8192},
 }
 
 
@@ -58,6 +64,6 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny_model, hf_reference, path):
     for (_, expected_tokens, expected_logprobs), output in zip(hf_reference, outputs, strict=True):
         assert output.token_ids == expected_tokens
         assert [entry.logprob for entry in output.logprobs] == pytest.approx(expected_logprobs, abs=1e-4)
-    if path == "preempting":
+    if "preempting" in path:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_usage().num_used_blocks == 0
