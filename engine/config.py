@@ -20,6 +20,7 @@ class EngineConfig:
         chunked prefill (then a whole prompt must fit in one step).
     enable_chunked_prefill: compute long prompts over several steps, beside the decodes.
     max_prefill_chunk_tokens: cap on one request's prefill chunk per step; None means the budget.
+    enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of computing them again.
     """
 
     model: str | None = None
@@ -32,6 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_prefill_chunk_tokens: int | None = None
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"

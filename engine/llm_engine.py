@@ -93,6 +93,7 @@ class LLMEngine:
                 watermark_blocks=int(num_blocks * config.watermark_fraction),
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
+                enable_prefix_caching=config.enable_prefix_caching,
             ),
             BlockAllocator(num_blocks),
             config.block_size,

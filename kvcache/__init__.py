@@ -1,11 +1,12 @@
 """Paged KV cache: block allocation, per-request block tables, cache tensors and their sizing."""
 
-from kvcache.block_allocator import BlockAllocator, DoubleFreeError, KVCacheError, OutOfBlocksError
+from kvcache.block_allocator import BlockAllocator, BlockKey, DoubleFreeError, KVCacheError, OutOfBlocksError
 from kvcache.cache_tensors import KVCache, KVCacheSpec
 from kvcache.usage import KVUsage
 
 __all__ = [
     "BlockAllocator",
+    "BlockKey",
     "DoubleFreeError",
     "KVCache",
     "KVCacheError",

@@ -1,11 +1,12 @@
-"""Fixed-size KV block allocator with reference counts.
+"""Fixed-size KV block allocator with reference counts and a cache of full blocks' contents.
 
-Blocks are shared by reference count (fork), so a later prefix cache can hand the same
-physical block to several requests; a block returns to the free list only when its last
-holder frees it.
+Blocks are shared by reference count. A full block can be registered under a `BlockKey` (its
+tokens and the hash of everything before it); when its last holder frees it, it keeps its
+contents and stays findable until a new allocation needs the space, least recently freed first.
 """
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 
 
 class KVCacheError(Exception):
@@ -20,35 +21,93 @@ class DoubleFreeError(KVCacheError):
     """Raised when a block that is not allocated is freed (or forked)."""
 
 
+@dataclass(frozen=True)
+class BlockKey:
+    """What a full block holds: its token ids, after the prefix whose chained hash is `parent_hash`."""
+
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+    @property
+    def hash(self) -> int:
+        return hash((self.parent_hash, self.token_ids))
+
+
 class BlockAllocator:
-    """Hands out block ids in [0, num_blocks) from a free list and tracks their ref counts."""
+    """Hands out block ids in [0, num_blocks), tracks their ref counts, and keeps freed full blocks findable."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._free_block_ids: deque[int] = deque(range(num_blocks))  # hold nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
         self._ref_counts = [0] * num_blocks
+        self._block_by_hash: dict[int, int] = {}
+        self._key_by_block: dict[int, BlockKey] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks an allocation can take: never-cached ones and cached ones nobody holds."""
+        return len(self._free_block_ids) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_block_ids)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._key_by_block)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` free blocks, each with ref count 1; all or nothing."""
-        if num_blocks > len(self._free_block_ids):
-            raise OutOfBlocksError(f"requested {num_blocks} blocks but only {len(self._free_block_ids)} are free")
-        block_ids = [self._free_block_ids.popleft() for _ in range(num_blocks)]
+        """Take `num_blocks` free blocks, each with ref count 1; all or nothing.
+
+        Never-cached blocks go first; then cached ones are evicted, least recently freed first.
+        """
+        if num_blocks > self.num_free_blocks:
+            raise OutOfBlocksError(f"requested {num_blocks} blocks but only {self.num_free_blocks} are free")
+        block_ids = []
+        for _ in range(num_blocks):
+            if self._free_block_ids:
+                block_ids.append(self._free_block_ids.popleft())
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                self._forget(block_id)
+                block_ids.append(block_id)
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
         return block_ids
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The cached block holding exactly `key`'s contents (tokens checked, not only the hash), if any."""
+        block_id = self._block_by_hash.get(key.hash)
+        if block_id is None or self._key_by_block[block_id] != key:
+            return None
+        return block_id
+
+    def take_cached(self, block_id: int) -> None:
+        """Add a holder to a cached block found by `lookup`, taking it off the eviction list if nobody held it."""
+        if block_id not in self._key_by_block:
+            raise DoubleFreeError(f"block {block_id} is not cached")
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+
+    def register(self, block_id: int, key: BlockKey) -> None:
+        """Make an allocated, full block findable by `key`; a key already cached keeps its block."""
+        if self._num_references(block_id) == 0:
+            raise DoubleFreeError(f"cannot register block {block_id}: it is not allocated")
+        if key.hash in self._block_by_hash or block_id in self._key_by_block:
+            return
+        self._block_by_hash[key.hash] = block_id
+        self._key_by_block[block_id] = key
+
+    def _forget(self, block_id: int) -> None:
+        key = self._key_by_block.pop(block_id)
+        del self._block_by_hash[key.hash]
 
     def fork(self, block_ids: list[int]) -> list[int]:
         """Share already allocated blocks with one more holder; returns the same ids."""
@@ -69,7 +128,10 @@ class BlockAllocator:
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free_block_ids.append(block_id)
+                if block_id in self._key_by_block:
+                    self._evictable[block_id] = None
+                else:
+                    self._free_block_ids.append(block_id)
 
     def _num_references(self, block_id: int) -> int:
         # An id outside the pool was never handed out; a negative one must not index a real block from the end.

@@ -10,7 +10,9 @@ class SchedulerConfig:
     `watermark_blocks` is kept free at admission so running requests can still grow a little
     before anything must be preempted. With `enable_chunked_prefill`, a prompt longer than what is
     left of the step's token budget (or than `max_prefill_chunk_tokens`) is computed over several
-    steps, alongside the decodes; without it, a prompt waits until it fits whole.
+    steps, alongside the decodes; without it, a prompt waits until it fits whole. With
+    `enable_prefix_caching`, an admitted request reuses the cached blocks of its longest cached
+    prefix and computes only the rest.
     """
 
     max_num_seqs: int = 64
@@ -18,6 +20,7 @@ class SchedulerConfig:
     watermark_blocks: int = 0
     enable_chunked_prefill: bool = False
     max_prefill_chunk_tokens: int | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

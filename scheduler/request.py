@@ -3,6 +3,8 @@
 import enum
 from dataclasses import dataclass, field
 
+from kvcache import BlockKey
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -33,6 +35,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    block_keys: list[BlockKey] = field(default_factory=list)  # contents of the full blocks known so far
+    num_registered_blocks: int = 0  # leading blocks of block_ids that the prefix cache can find
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ admitted request is preempted (its blocks freed, put back at the front of the qu
 
 from collections import deque
 
-from kvcache import BlockAllocator, KVUsage
+from kvcache import BlockAllocator, BlockKey, KVUsage
 from scheduler.config import SchedulerConfig
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -24,6 +24,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, oldest first
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -40,23 +42,30 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: dict[Request, ScheduledRequest] = {}
         preempted: list[Request] = []
         decoding = [request for request in self.running if request.num_uncomputed_tokens == 1]
         prefilling = [request for request in self.running if request.num_uncomputed_tokens > 1]
         for request in decoding + prefilling:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
-            num_new_tokens = self._num_tokens_to_run(request, token_budget)
+            num_new_tokens = self._num_tokens_to_run(request.num_uncomputed_tokens, token_budget)
             if not num_new_tokens:
                 continue
-            if not self._grow_or_preempt(request, num_new_tokens, preempted):
-                continue
-            scheduled.append(ScheduledRequest.of(request, num_new_tokens))
-            token_budget -= num_new_tokens
+            num_preempted_before = len(preempted)
+            granted = self._grow_or_preempt(request, num_new_tokens, preempted)
+            # A newer request preempted for an older prefill may have been scheduled already (decodes
+            # go first): it leaves this step and gives its tokens back.
+            for victim in preempted[num_preempted_before:]:
+                dropped = scheduled.pop(victim, None)
+                token_budget += dropped.num_new_tokens if dropped else 0
+            if granted:
+                scheduled[request] = ScheduledRequest.of(request, num_new_tokens)
+                token_budget -= num_new_tokens
+        scheduled_items = list(scheduled.values())
         if not preempted:
-            self._admit_waiting(token_budget, scheduled)
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+            self._admit_waiting(token_budget, scheduled_items)
+        return SchedulerOutput(scheduled=scheduled_items, preempted=preempted)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> None:
         """Record a finished step: computed tokens advance, sampling requests get their token.
@@ -65,10 +74,11 @@ class Scheduler:
         """
         sampled = iter(sampled_token_ids)
         for item in output.scheduled:
-            samples = item.samples_next_token
             item.request.num_computed_tokens += item.num_new_tokens
-            if samples:
+            if item.samples_next_token:
                 item.request.output_token_ids.append(next(sampled))
+            if self.config.enable_prefix_caching:
+                self._register_full_blocks(item.request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Take a request out of the queues, wherever it is, and free its blocks at once."""
@@ -97,9 +107,8 @@ class Scheduler:
             block_size=self.block_size,
         )
 
-    def _num_tokens_to_run(self, request: Request, token_budget: int) -> int:
-        """How many of the request's uncomputed tokens fit this step; 0 if it must wait."""
-        num_tokens = request.num_uncomputed_tokens
+    def _num_tokens_to_run(self, num_tokens: int, token_budget: int) -> int:
+        """How many of a request's `num_tokens` uncomputed tokens fit this step; 0 if it must wait."""
         if not self.config.enable_chunked_prefill:
             return num_tokens if num_tokens <= token_budget else 0
         chunk_limit = self.config.max_prefill_chunk_tokens or token_budget
@@ -126,20 +135,62 @@ class Scheduler:
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new_tokens = self._num_tokens_to_run(request, token_budget)
+            cached_block_ids = self._cached_prefix(request) if self.config.enable_prefix_caching else []
+            num_cached_tokens = len(cached_block_ids) * self.block_size
+            num_new_tokens = self._num_tokens_to_run(request.num_tokens - num_cached_tokens, token_budget)
             if not num_new_tokens:
                 return
-            num_blocks = self._num_blocks_to_add(request, num_new_tokens)
+            num_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(cached_block_ids)
+            # Cached blocks nobody holds count as free until this request takes them.
+            num_taken_from_free = num_blocks + sum(self.allocator.ref_count(b) == 0 for b in cached_block_ids)
             # The watermark keeps room for running requests to grow; an idle engine admits anyway.
             watermark = self.config.watermark_blocks if self.running else 0
-            if self.allocator.num_free_blocks - num_blocks < watermark:
+            if self.allocator.num_free_blocks - num_taken_from_free < watermark:
                 return
             self.waiting.popleft()
-            request.block_ids.extend(self.allocator.allocate(num_blocks))
+            for block_id in cached_block_ids:
+                self.allocator.take_cached(block_id)
+            request.block_ids = cached_block_ids + self.allocator.allocate(num_blocks)
+            request.num_computed_tokens = num_cached_tokens
+            request.num_registered_blocks = len(cached_block_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest.of(request, num_new_tokens))
             token_budget -= num_new_tokens
+            if self.config.enable_prefix_caching:
+                self.prefix_cache_queried_tokens += request.num_tokens
+                self.prefix_cache_hit_tokens += num_cached_tokens
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the request's longest cached prefix of full blocks.
+
+        The block with the last token is never reused: it is computed, so there are logits to sample.
+        """
+        num_candidate_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_block_keys(request, num_candidate_blocks)
+        block_ids = []
+        for key in request.block_keys[:num_candidate_blocks]:
+            block_id = self.allocator.lookup(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def _extend_block_keys(self, request: Request, num_blocks: int) -> None:
+        size = self.block_size
+        for index in range(len(request.block_keys), num_blocks):
+            parent_hash = request.block_keys[index - 1].hash if index else None
+            tokens = tuple(request.token_ids(index * size, (index + 1) * size))
+            request.block_keys.append(BlockKey(parent_hash, tokens))
+
+    def _register_full_blocks(self, request: Request) -> None:
+        num_full_blocks = request.num_computed_tokens // self.block_size
+        if num_full_blocks <= request.num_registered_blocks:
+            return
+        self._extend_block_keys(request, num_full_blocks)
+        for index in range(request.num_registered_blocks, num_full_blocks):
+            self.allocator.register(request.block_ids[index], request.block_keys[index])
+        request.num_registered_blocks = num_full_blocks
 
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
@@ -154,3 +205,4 @@ class Scheduler:
         self.allocator.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0

@@ -48,6 +48,7 @@ class ServerSettings(BaseModel):
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_prefill_chunk_tokens: int | None = None
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"

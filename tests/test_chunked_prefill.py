@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import BlockAllocator
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
 from tests.test_scheduler import add_request, scheduled_tokens, step
 
 
@@ -47,6 +47,24 @@ def test_the_chunk_cap_limits_one_request_per_step_but_not_the_batch():
     assert scheduled_tokens(step(scheduler)) == {"a": 5, "b": 5}
 
 
+def test_a_decode_preempted_for_an_older_prefill_leaves_the_step():
+    # 8 one-token blocks: "old" prefills 6 tokens in chunks of 4; "new" (2 tokens) is admitted beside it
+    # and decodes first in the next step, then must give its blocks to "old"'s second chunk.
+    scheduler = chunked_scheduler(num_blocks=8, block_size=1, budget=9, chunk=4)
+    old = add_request(scheduler, "old", 6)
+    new = add_request(scheduler, "new", 2)
+    for filler in "abcde":
+        add_request(scheduler, filler, 1)
+    assert scheduled_tokens(step(scheduler)) == {"old": 4, "new": 2, "a": 1, "b": 1}
+    for filler in "ab":
+        scheduler.finish(scheduler.get(filler), FinishReason.LENGTH)
+    output = step(scheduler)
+    assert [request.request_id for request in output.preempted] == ["new"]
+    assert scheduled_tokens(output) == {"old": 2}
+    assert new.block_ids == [] and new.output_token_ids == [7]  # its decode did not run
+    assert old.num_computed_tokens == 6 and old.output_token_ids == [7]
+
+
 def test_without_chunking_a_prompt_over_the_remaining_budget_waits_whole():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, enable_chunked_prefill=False)
     scheduler = Scheduler(config, BlockAllocator(64), 4)
@@ -81,6 +99,7 @@ def test_chunked_scheduling_respects_budgets_finishes_everything_and_frees_every
             break
         output = scheduler.schedule()
         assert output.num_batched_tokens <= budget
+        assert all(item.request.status is RequestStatus.RUNNING for item in output.scheduled)
         for item in output.scheduled:
             assert item.num_new_tokens <= (chunk or budget) or item.num_new_tokens == 1
         scheduler.update(output, [7 for item in output.scheduled if item.samples_next_token])
