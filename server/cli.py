@@ -34,6 +34,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if typing.get_origin(annotation) is list:
             parser.add_argument(flag, nargs="+", default=None, help=field.description)
+        elif annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
         else:
             parser.add_argument(
                 flag, type=annotation, default=None, help=field.description or f"default {field.default}"

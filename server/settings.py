@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from engine import EngineConfig
 
@@ -20,11 +20,10 @@ class SettingsError(ValueError):
     """A settings file, variable or flag is unknown or has the wrong type."""
 
 
-class ServerSettings(BaseModel):
+class _ServerOnlySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # What to serve
-    model: str | None = Field(None, description="HF checkpoint directory; none = the built-in default model")
+    # What to serve (the checkpoint itself is the engine's `model`)
     served_model_name: str | None = Field(None, description="model name clients use; default: the directory name")
     chat_template: str | None = Field(None, description="Jinja chat template (text or file) over the tokenizer's")
     # HTTP
@@ -38,25 +37,18 @@ class ServerSettings(BaseModel):
     max_stop_strings: int = Field(16, ge=1)
     max_stop_string_chars: int = Field(1024, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
-    # Engine
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    max_prefill_chunk_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    watermark_fraction: float = 0.01
-    attention_backend: str = "auto"
-    seed: int = 0
 
     def engine_config(self) -> EngineConfig:
-        # Every EngineConfig field has a same-named setting above (a test keeps them in step).
         return EngineConfig(**{field.name: getattr(self, field.name) for field in fields(EngineConfig)})
+
+
+# The engine settings are EngineConfig's own fields, types and defaults: declared once, in engine/config.py.
+ServerSettings = create_model(
+    "ServerSettings",
+    __base__=_ServerOnlySettings,
+    __doc__="Server and engine settings, as one flat model (YAML keys, KVSERVE_* variables and flags).",
+    **{field.name: (field.type, field.default) for field in fields(EngineConfig)},
+)
 
 
 def load_settings(config_file: str | Path | None, cli_overrides: dict, environ: dict | None = None) -> ServerSettings:

@@ -21,7 +21,12 @@ def test_default_yaml_states_the_defaults():
     assert load_settings(Path("configs/default.yaml"), {}, environ={}) == ServerSettings()
 
 
-def test_every_engine_setting_is_a_server_setting():
+def test_engine_settings_reach_the_engine_config(tmp_path):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("max_num_seqs: 3\nenable_prefix_caching: false\nmax_prefill_chunk_tokens: 64\n")
+    engine_config = load_settings(config_file, {"block_size": 32}, environ={}).engine_config()
+    assert (engine_config.max_num_seqs, engine_config.enable_prefix_caching) == (3, False)
+    assert (engine_config.max_prefill_chunk_tokens, engine_config.block_size) == (64, 32)
     assert {f.name for f in fields(EngineConfig)} <= set(ServerSettings.model_fields)
 
 
