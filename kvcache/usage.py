@@ -22,6 +22,10 @@ class KVUsage:
 
     @property
     def slot_utilization(self) -> float:
-        """Share of allocated slots (used blocks x block_size) that hold a live token; 1.0 when empty."""
+        """Share of allocated slots (used blocks x block_size) that hold a live token; 1.0 when empty.
+
+        Live tokens are counted per request, so blocks shared through the prefix cache count once per
+        holder: with sharing, this can exceed 1 (the cache then holds more tokens than it has slots).
+        """
         num_allocated_slots = self.num_used_blocks * self.block_size
         return self.num_live_tokens / num_allocated_slots if num_allocated_slots else 1.0
