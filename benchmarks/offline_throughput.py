@@ -120,13 +120,13 @@ def run_hf_continuous(model, prompts, output_lens):
     return time.perf_counter() - start_s, num_tokens
 
 
-def scheduler_step_us(num_running: int, num_steps: int, block_size: int = 16) -> list[float]:
+def scheduler_step_us(num_running: int, num_steps: int, prefix_caching: bool, block_size: int = 16) -> list[float]:
     """Per-step time of schedule() + update() with `num_running` decoding sequences (no model)."""
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=1 << 20),
-        BlockAllocator(num_running * 64),
-        block_size,
-    )
+    config = SchedulerConfig(
+        max_num_seqs=num_running, max_num_batched_tokens=1 << 20, enable_chunked_prefill=True,
+        enable_prefix_caching=prefix_caching,
+    )  # fmt: skip
+    scheduler = Scheduler(config, BlockAllocator(num_running * 64), block_size)
     rng = random.Random(0)
     for i in range(num_running):
         scheduler.add(Request(request_id=str(i), prompt_token_ids=[1] * rng.randint(32, 512)))
@@ -195,11 +195,12 @@ def main() -> None:
         if num_tokens != expected_tokens:
             print(f"  warning: {name} produced {num_tokens} tokens, expected {expected_tokens}")
 
-    timings = scheduler_step_us(num_running=256, num_steps=200)
-    print(
-        f"\nscheduler + allocator per step, 256 running: median {statistics.median(timings):.0f} us, "
-        f"p90 {sorted(timings)[int(0.9 * len(timings))]:.0f} us"
-    )
+    for prefix_caching in (False, True):
+        timings = scheduler_step_us(num_running=256, num_steps=200, prefix_caching=prefix_caching)
+        print(
+            f"\nscheduler + allocator per step, 256 running, prefix caching {'on' if prefix_caching else 'off'}: "
+            f"median {statistics.median(timings):.0f} us, p90 {sorted(timings)[int(0.9 * len(timings))]:.0f} us"
+        )
 
 
 if __name__ == "__main__":
