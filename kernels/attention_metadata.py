@@ -27,9 +27,5 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_cpu, default=0)
-
-    @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
