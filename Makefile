@@ -9,7 +9,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run generate test test-slow lint bench bench-serve clean
+.PHONY: install run generate test lint bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,6 @@ generate: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
-
-test-slow: install
-	$(BIN)/python -m pytest -q -m slow
 
 lint: install
 	$(BIN)/ruff check .
