@@ -20,7 +20,6 @@ from server.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
-    Usage,
     random_id,
 )
 
@@ -79,7 +78,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ]
     response = ChatCompletionResponse(
         id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
-        usage=Usage.of(len(prompt), sum(len(c.output.token_ids) for c in generation.choices)),
+        usage=generation.usage(),
     )  # fmt: skip
     return JSONResponse(response.model_dump())
 
@@ -98,9 +97,7 @@ async def _stream_chunks(
         yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": logprobs,
                                               "finish_reason": choice.output.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
-        prompt_tokens = len(generation.choices[0].prompt_token_ids)
-        usage = Usage.of(prompt_tokens, sum(len(c.output.token_ids) for c in generation.choices))
-        yield generation.chunk(object_name, [], usage)
+        yield generation.chunk(object_name, [], generation.usage())
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> ChatLogprobs:

@@ -8,13 +8,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine import TokenLogprob
 from server.context import ServerContext
 from server.errors import bad_request
-from server.generation import Choice, Generation, sse_stream
+from server.generation import Generation, sse_stream
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    Usage,
     random_id,
 )
 
@@ -47,7 +46,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                                         finish_reason=output.finish_reason))  # fmt: skip
     response = CompletionResponse(
         id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
-        usage=_usage(prompts, generation.choices),
+        usage=generation.usage(),
     )  # fmt: skip
     return JSONResponse(response.model_dump())
 
@@ -89,8 +88,7 @@ async def _stream_chunks(
         yield generation.chunk(object_name, [{"index": choice.index, "text": text, "logprobs": logprobs,
                                               "finish_reason": choice.output.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
-        prompts = [choice.prompt_token_ids for choice in generation.choices[:: body.n]]
-        yield generation.chunk(object_name, [], _usage(prompts, generation.choices))
+        yield generation.chunk(object_name, [], generation.usage())
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], first_offset: int) -> CompletionLogprobs:
@@ -107,9 +105,3 @@ def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], first_offset: int
         result.text_offset.append(offset)
         offset += len(token)
     return result
-
-
-def _usage(prompts: list[list[int]], choices: list[Choice]) -> Usage:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(choice.output.token_ids) for choice in choices)
-    return Usage.of(prompt_tokens, completion_tokens)

@@ -58,10 +58,12 @@ class Generation:
         self.on_disconnect = on_disconnect
         self.choices: list[Choice] = []
         self._streams: list[RequestStream] = []
+        self._prompts: list[list[int]] = []
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
         """Queue every choice, or none: a refusal aborts what was already queued."""
         loop = asyncio.get_running_loop()
+        self._prompts = prompts
         try:
             for prompt_index, prompt_token_ids in enumerate(prompts):
                 for sample_index in range(n):
@@ -117,6 +119,11 @@ class Generation:
                 continue
             logprobs = choice.output.logprobs
             yield choice, text, (logprobs[first_token:end_token] if logprobs is not None else None)
+
+    def usage(self) -> Usage:
+        """Each prompt's tokens once (whatever n is), and every choice's generated tokens."""
+        completion_tokens = sum(len(choice.output.token_ids) for choice in self.choices)
+        return Usage.of(sum(len(prompt) for prompt in self._prompts), completion_tokens)
 
     def chunk(self, object_name: str, choices: list[dict], usage: Usage | None = None) -> dict:
         """A streamed chunk object of this request."""
