@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from engine import LLM, SamplingParams
 from engine.default_model import cache_root
@@ -104,12 +105,18 @@ def run_hf_static(model, prompts, output_lens, batch_size: int, pad_token_id: in
     return time.perf_counter() - start_s, num_tokens
 
 
-def run_hf_continuous(model, prompts, output_lens):
-    """HF continuous batching (the manager behind `generate_batch`), with each request's own length."""
+def run_hf_continuous(model, prompts, output_lens, warmup: bool = False):
+    """HF continuous batching (the manager behind `generate_batch`), with each request's own length.
+    `warmup` captures its CUDA graphs before the clock starts."""
     config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(output_lens))
+    hints = WorkloadHints(
+        max_prompt_length=max(map(len, prompts)), max_generated_length=max(output_lens), num_requests=len(prompts)
+    )
     num_tokens = 0
-    start_s = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=config, warmup=False) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=config, warmup=warmup, workload_hints=hints
+    ) as manager:
+        start_s = time.perf_counter()
         for prompt, output_len in zip(prompts, output_lens, strict=True):
             manager.add_request(prompt, max_new_tokens=output_len, eos_token_id=-1)
         for _ in prompts:
@@ -117,7 +124,8 @@ def run_hf_continuous(model, prompts, output_lens):
             while result is not None and not result.is_finished():
                 result = manager.get_result(timeout=600)
             num_tokens += len(result.generated_tokens)
-    return time.perf_counter() - start_s, num_tokens
+        elapsed_s = time.perf_counter() - start_s
+    return elapsed_s, num_tokens
 
 
 def scheduler_step_us(num_running: int, num_steps: int, prefix_caching: bool, block_size: int = 16) -> list[float]:

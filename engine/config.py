@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import check_backend_name
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -21,6 +23,7 @@ class EngineConfig:
     enable_chunked_prefill: compute long prompts over several steps, beside the decodes.
     max_prefill_chunk_tokens: cap on one request's prefill chunk per step; None means the budget.
     enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of computing them again.
+    attention_backend: "auto" (the Triton kernels on CUDA, the torch path on CPU), "triton" or "torch".
     """
 
     model: str | None = None
@@ -46,6 +49,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.watermark_fraction < 1:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")
+        check_backend_name(self.attention_backend)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

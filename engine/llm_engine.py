@@ -18,7 +18,7 @@ from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampler import SampledToken, SamplingRow, sample
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import eos_token_ids, load_tokenizer
-from kernels import select_attention_backend
+from kernels import AttentionShape, select_attention_backend
 from kvcache import BlockAllocator, KVCache, KVCacheSpec, KVUsage
 from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 
@@ -80,7 +80,11 @@ class LLMEngine:
             dtype=self.dtype,
             block_size=config.block_size,
         )
-        backend = select_attention_backend(config.attention_backend)
+        backend = select_attention_backend(
+            config.attention_backend,
+            self.device,
+            AttentionShape(config.max_num_seqs, model_config.num_heads, model_config.head_dim),
+        )
         budget_bytes = kv_cache_budget_bytes(config, self.model, spec, backend, self.device, max_num_batched_tokens)
         num_blocks = spec.num_blocks_for_budget(budget_bytes)
         self.kv_cache = KVCache.allocate(spec, num_blocks, self.device)

@@ -1,13 +1,27 @@
-"""Attention over the paged KV cache: torch reference paths and the backend the models call."""
+"""Attention over the paged KV cache: torch reference paths, Triton kernels and the backend the models call.
+
+Importing this package does not import triton; `select_attention_backend` does, when it is asked for
+the Triton backend.
+"""
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.backend import AttentionBackend, TorchAttentionBackend, select_attention_backend
+from kernels.backend import (
+    BACKEND_NAMES,
+    AttentionBackend,
+    AttentionShape,
+    TorchAttentionBackend,
+    check_backend_name,
+    select_attention_backend,
+)
 from kernels.torch_paged_attention import paged_attention, store_kv
 
 __all__ = [
+    "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionShape",
     "TorchAttentionBackend",
+    "check_backend_name",
     "paged_attention",
     "select_attention_backend",
     "store_kv",

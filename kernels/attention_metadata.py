@@ -1,6 +1,6 @@
 """What an attention call needs to know about the batch, passed explicitly to every layer."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,11 +21,18 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Derived once per step rather than in every layer's attention call.
+    num_decodes: int = field(init=False)  # the leading requests with one new token (the scheduler puts decodes first)
+    max_query_len: int = field(init=False)
+    max_seq_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        lens = self.query_lens_cpu
+        num_decodes = next((i for i, query_len in enumerate(lens) if query_len != 1), len(lens))
+        object.__setattr__(self, "num_decodes", num_decodes)
+        object.__setattr__(self, "max_query_len", max(lens, default=0))
+        object.__setattr__(self, "max_seq_len", max(self.seq_lens_cpu, default=0))
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_cpu, default=0)

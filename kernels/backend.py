@@ -1,5 +1,7 @@
-"""The attention backend a model calls: a KV store and a paged attention over the same cache."""
+"""The attention backend a model calls: a KV store and a paged attention over the same cache,
+and the choice of backend per device."""
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -7,6 +9,8 @@ import torch
 
 from kernels import torch_paged_attention
 from kernels.attention_metadata import AttentionMetadata
+
+BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -32,6 +36,15 @@ class AttentionBackend(Protocol):
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """What a backend preallocates for: the most sequences in a step and the query heads' shape."""
+
+    max_num_seqs: int
+    num_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class TorchAttentionBackend:
     """Pure torch path: runs on any device; the reference the Triton kernels are tested against."""
 
@@ -44,7 +57,21 @@ class TorchAttentionBackend:
         return torch_paged_attention.paged_attention(query, key_cache, value_cache, metadata, scale)
 
 
-def select_attention_backend(name: str) -> AttentionBackend:
-    if name in ("auto", "torch"):
+def check_backend_name(name: str) -> None:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+
+
+def select_attention_backend(name: str, device: torch.device, shape: AttentionShape) -> AttentionBackend:
+    """`auto`: the Triton kernels on CUDA, the torch path elsewhere; `torch` or `triton` force one."""
+    check_backend_name(name)
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend must be 'auto' or 'torch', got {name!r}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend 'triton' needs a CUDA device (got {device.type}); on the CPU the Triton "
+            "interpreter runs it when TRITON_INTERPRET=1 is set before triton is imported (slow: for tests)"
+        )
+    from kernels.triton_backend import TritonAttentionBackend  # imports triton, which CPU-only setups may lack
+
+    return TritonAttentionBackend.create(shape, device)

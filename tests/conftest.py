@@ -1,9 +1,16 @@
 """Shared fixtures: tiny Llama, Mistral, Qwen2 and Qwen3 checkpoints built from scratch for the session."""
 
+import os
 from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint

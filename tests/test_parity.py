@@ -57,7 +57,18 @@ def hf_reference(tiny_model):
 
 @pytest.mark.parametrize("path", sorted(SCHEDULING_PATHS))
 def test_greedy_tokens_and_logprobs_match_hf(tiny_model, hf_reference, path):
-    llm = LLM(str(tiny_model), **SCHEDULING_PATHS[path])
+    assert_matches_hf(LLM(str(tiny_model), **SCHEDULING_PATHS[path]), hf_reference, path)
+
+
+def test_triton_backend_matches_hf(tiny_model, hf_reference):
+    """The Triton kernels in the engine (in the interpreter on a CPU): decodes beside prompt chunks
+    that attend to earlier chunks, and recomputation after preemption."""
+    llm = LLM(str(tiny_model), attention_backend="triton", dtype="float32", **SCHEDULING_PATHS["chunked_preempting"])
+    assert llm.engine.runner.backend.name == "triton"
+    assert_matches_hf(llm, hf_reference, "chunked_preempting")
+
+
+def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     outputs = llm.generate([prompt for prompt, _, _ in hf_reference], params)
 

@@ -1,0 +1,118 @@
+"""End-to-end offline throughput on a GPU: kvserve (Triton kernels) vs HF continuous batching.
+
+A Qwen3-0.6B-shaped model with seeded random weights (no download) serves 256 requests with prompt
+and output lengths uniform in 100-1024 (greedy, EOS ignored, each request its own output length).
+Both peers run in this process on the same checkpoint, kvserve first; each is warmed up first (Triton
+compilation, HF's CUDA-graph capture) and timed from the first request to the last token.
+
+    python benchmarks/gpu_engine_bench.py            # the workload of BENCHMARKS.md (CUDA)
+    python benchmarks/gpu_engine_bench.py --smoke    # a tiny model and workload, to check the script on a CPU
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offline_throughput import make_workload, run_hf_continuous
+
+from engine import LLM, SamplingParams
+from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+
+QWEN3_0_6B_SHAPE = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": True,
+}
+SMOKE_SHAPE = {**QWEN3_0_6B_SHAPE, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128}
+SMOKE_SHAPE.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def build_checkpoint(shape: dict, out_dir: Path) -> Path:
+    """Random weights; a small trained tokenizer (the model's vocabulary is larger, as real ones often are)."""
+    tokenizer = train_tokenizer("\n".join(f"sample text line {i} of the benchmark corpus" for i in range(200)), 300)
+    config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **shape)
+    return write_random_checkpoint(config, tokenizer, out_dir, seed=0)
+
+
+def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str) -> tuple[float, int]:
+    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=len(prompts), gpu_memory_utilization=0.5)
+    warmup = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0][:200], prompts[1][:30]], warmup)  # compiles the decode and extend kernels
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    engine = llm.engine
+    synchronize()
+    start_s = time.perf_counter()
+    for prompt, sampling in zip(prompts, params, strict=True):
+        engine.add_request(prompt, sampling)
+    num_tokens = 0
+    while engine.has_unfinished():
+        num_tokens += sum(len(output.token_ids) for output in engine.step() if output.finished)
+    synchronize()
+    elapsed_s = time.perf_counter() - start_s
+    print(f"kvserve: backend {engine.runner.backend.name}, {engine.kv_cache.num_blocks} KV blocks")
+    del llm, engine
+    return elapsed_s, num_tokens
+
+
+def run_hf(model_dir: Path, prompts, output_lens, dtype: torch.dtype, device) -> tuple[float, int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    return run_hf_continuous(model, prompts, output_lens, warmup=device.type == "cuda")
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model and workload on whatever device there is")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--peers", default="kvserve,hf-continuous")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SMOKE_SHAPE if args.smoke else QWEN3_0_6B_SHAPE
+    num_requests, lengths = (6, (10, 40)) if args.smoke else (args.num_requests, (100, 1024))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start_s = time.perf_counter()
+        model_dir = build_checkpoint(shape, Path(tmp) / "qwen3-0.6b-shaped")
+        print(f"built {model_dir.name} in {time.perf_counter() - start_s:.0f} s; device {device}, {dtype}")
+        prompts, output_lens = make_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
+        print(f"{num_requests} requests, prompt and output lengths uniform in {lengths}: {sum(output_lens)} tokens out")
+        results = {}
+        if "kvserve" in args.peers:
+            results["kvserve"] = run_kvserve(model_dir, prompts, output_lens, str(dtype).removeprefix("torch."))
+            print(f"kvserve: {results['kvserve'][1] / results['kvserve'][0]:.0f} tok/s", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "hf-continuous" in args.peers:
+            results["hf-continuous"] = run_hf(model_dir, prompts, output_lens, dtype, device)
+
+    kvserve_rate = results["kvserve"][1] / results["kvserve"][0] if "kvserve" in results else None
+    print(f"\n{'peer':16} {'time s':>8} {'out tok':>8} {'tok/s':>8} {'kvserve x':>10}")
+    for name, (elapsed_s, num_tokens) in results.items():
+        rate = num_tokens / elapsed_s
+        ratio = f"{kvserve_rate / rate:.2f}" if kvserve_rate else "-"
+        print(f"{name:16} {elapsed_s:8.1f} {num_tokens:8d} {rate:8.0f} {ratio:>10}")
+        if num_tokens != sum(output_lens):
+            print(f"  warning: {name} produced {num_tokens} tokens, expected {sum(output_lens)}")
+
+
+if __name__ == "__main__":
+    main()

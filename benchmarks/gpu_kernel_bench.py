@@ -1,0 +1,210 @@
+"""Paged attention kernels on a GPU: decode bandwidth and prefill/extend speed against their bounds.
+
+Decode: for each (batch, context, heads) the Triton split-KV decode kernel reads every cached key and
+value once; its achieved bandwidth (bytes of K and V read / median time) is printed beside the
+device-to-device copy bandwidth (bytes read + written / time) and beside PyTorch SDPA on the same
+KV made contiguous (the non-paged bound; the query heads of a KV head become SDPA's query rows).
+Prefill/extend: the Triton extend kernel against causal SDPA on contiguous, head-expanded K/V.
+
+    python benchmarks/gpu_kernel_bench.py                 # the sweep of BENCHMARKS.md (CUDA)
+    python benchmarks/gpu_kernel_bench.py --smoke         # tiny shapes; runs in the interpreter on a CPU
+
+Times are medians of `triton.testing.do_bench` (L2 flushed between runs) on CUDA.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import AttentionMetadata, AttentionShape, select_attention_backend
+
+BLOCK_SIZE = 16
+
+
+def time_ms(fn) -> float:
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    fn()
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        timings.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(timings)
+
+
+def copy_bandwidth_gbs(device: torch.device, num_bytes: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def paged_batch(batch: int, context: int, query_len: int, num_kv_heads: int, head_dim: int, dtype, device):
+    """Caches holding `batch` sequences of `context` positions in shuffled blocks, and their metadata."""
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device) * query_len
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(batch * query_len, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        query_lens_cpu=[query_len] * batch,
+        seq_lens_cpu=[context] * batch,
+    )
+    return key_cache, value_cache, metadata
+
+
+def contiguous_kv(cache: torch.Tensor, metadata: AttentionMetadata, context: int) -> torch.Tensor:
+    """[batch, kv_heads, context, head_dim]: each sequence's keys or values gathered in order."""
+    gathered = cache[metadata.block_tables.long()]  # [batch, blocks, block_size, kv_heads, D]
+    return gathered.flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+
+
+def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, device, copy_gbs) -> dict:
+    key_cache, value_cache, metadata = paged_batch(batch, context, 1, num_kv_heads, head_dim, dtype, device)
+    query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
+    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
+    scale = head_dim**-0.5
+    triton_ms = time_ms(lambda: backend.paged_attention(query, key_cache, value_cache, metadata, scale))
+
+    keys, values = contiguous_kv(key_cache, metadata, context), contiguous_kv(value_cache, metadata, context)
+    group = num_heads // num_kv_heads
+    grouped_query = query.view(batch, num_kv_heads, group, head_dim)
+    sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(grouped_query, keys, values, scale=scale))
+    kv_bytes = 2 * keys.numel() * keys.element_size()
+    triton_gbs = kv_bytes / triton_ms / 1e6
+    return {
+        "batch": batch,
+        "context": context,
+        "heads": f"{num_heads}q/{num_kv_heads}kv/{head_dim}",
+        "kv_mib": kv_bytes / 2**20,
+        "triton_ms": triton_ms,
+        "triton_gbs": triton_gbs,
+        "of_copy": triton_gbs / copy_gbs,
+        "sdpa_contiguous_ms": sdpa_ms,
+        "sdpa_gbs": kv_bytes / sdpa_ms / 1e6,
+    }
+
+
+def bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, dtype, device) -> dict:
+    key_cache, value_cache, metadata = paged_batch(batch, context, query_len, num_kv_heads, head_dim, dtype, device)
+    query = torch.randn(batch * query_len, num_heads, head_dim, dtype=dtype, device=device)
+    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
+    scale = head_dim**-0.5
+    triton_ms = time_ms(lambda: backend.paged_attention(query, key_cache, value_cache, metadata, scale))
+
+    group = num_heads // num_kv_heads
+    keys = contiguous_kv(key_cache, metadata, context).repeat_interleave(group, dim=1)
+    values = contiguous_kv(value_cache, metadata, context).repeat_interleave(group, dim=1)
+    sdpa_query = query.view(batch, query_len, num_heads, head_dim).transpose(1, 2)
+    prefix = context - query_len
+    # Row r sees positions <= prefix + r: a plain causal mask when there is no prefix.
+    mask = None if prefix == 0 else torch.ones(query_len, context, dtype=torch.bool, device=device).tril(prefix)
+    sdpa_ms = time_ms(
+        lambda: F.scaled_dot_product_attention(
+            sdpa_query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+    )
+    # Multiply-adds of QK^T and PV over the visible (causal) pairs.
+    visible_pairs = query_len * prefix + query_len * (query_len + 1) / 2
+    flops = 4 * batch * num_heads * head_dim * visible_pairs
+    return {
+        "batch": batch,
+        "context": context,
+        "new_tokens": query_len,
+        "heads": f"{num_heads}q/{num_kv_heads}kv/{head_dim}",
+        "triton_ms": triton_ms,
+        "triton_tflops": flops / triton_ms / 1e9,
+        "sdpa_ms": sdpa_ms,
+        "sdpa_tflops": flops / sdpa_ms / 1e9,
+        "time_vs_sdpa": triton_ms / sdpa_ms,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = list(rows[0])
+    print(" | ".join(columns))
+    for row in rows:
+        print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script itself")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+
+    if args.smoke:
+        dtype, head_shapes, batches, contexts = torch.float32, [(8, 2, 16)], [1, 2], [40]
+        extend_cases = [(1, 40, 40), (2, 48, 16)]
+        copy_bytes = 1 << 20
+    else:
+        dtype, head_shapes, batches, contexts = (
+            torch.bfloat16,
+            [(32, 8, 128), (64, 8, 128)],
+            [1, 8, 32, 128],
+            [512, 2048, 8192, 32768],
+        )
+        # (batch, context, new tokens): whole prompts, then chunks after a cached prefix.
+        extend_cases = [
+            (1, 512, 512),
+            (1, 2048, 2048),
+            (1, 8192, 8192),
+            (8, 2048, 2048),
+            (8, 4608, 512),
+            (4, 8704, 512),
+        ]
+        copy_bytes = 4 << 30
+
+    copy_gbs = copy_bandwidth_gbs(device, copy_bytes)
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; {dtype}")
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written / time, {copy_bytes >> 20} MiB)\n")
+
+    decode_rows = []
+    for num_heads, num_kv_heads, head_dim in head_shapes:
+        for batch in batches:
+            for context in contexts:
+                decode_rows.append(
+                    bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, device, copy_gbs)
+                )
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print("paged decode attention (one query token per sequence)")
+    print_table(decode_rows)
+
+    extend_rows = []
+    for num_heads, num_kv_heads, head_dim in head_shapes:
+        for batch, context, query_len in extend_cases:
+            extend_rows.append(
+                bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, dtype, device)
+            )
+    print("\npaged prefill/extend attention vs causal SDPA on contiguous K/V")
+    print_table(extend_rows)
+
+    if args.json:
+        args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "decode": decode_rows, "extend": extend_rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

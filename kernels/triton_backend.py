@@ -1,0 +1,85 @@
+"""The Triton attention backend: every KV write and attention call of a step through our kernels."""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.backend import AttentionShape
+from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
+from kernels.triton_extend_attention import paged_extend_attention
+from kernels.triton_store_kv import store_kv
+
+MAX_DECODE_SEGMENTS = 16
+# A segment shorter than this costs more in partial-result traffic than its parallelism gains.
+MIN_SEGMENT_TOKENS = 256
+DECODE_BLOCK_N = 64
+
+
+def num_decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int) -> int:
+    """Segments per sequence so the decode grid has about `target_programs` programs."""
+    wanted = triton.cdiv(target_programs, num_seqs * num_kv_heads)
+    longest_useful = triton.cdiv(max_seq_len, MIN_SEGMENT_TOKENS)
+    return max(1, min(wanted, longest_useful, MAX_DECODE_SEGMENTS))
+
+
+@dataclass(frozen=True)
+class TritonAttentionBackend:
+    """Decodes (the leading one-token requests) run the split-KV decode kernel, the rest the
+    extend kernel; both write rows of one output, so each row is written exactly once."""
+
+    workspace: DecodeWorkspace
+    target_programs: int
+    name: str = "triton"
+
+    @classmethod
+    def create(cls, shape: AttentionShape, device: torch.device) -> "TritonAttentionBackend":
+        workspace = DecodeWorkspace.allocate(
+            shape.max_num_seqs, shape.num_heads, shape.head_dim, MAX_DECODE_SEGMENTS, device
+        )
+        # Two programs per multiprocessor keep a GPU busy; the interpreter runs programs one by one.
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        return cls(workspace=workspace, target_programs=2 * num_sms)
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            segments = num_decode_segments(num_decodes, key_cache.shape[2], metadata.max_seq_len, self.target_programs)
+            paged_decode_attention(
+                query[:num_decodes],
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                segments,
+                self.workspace,
+                out[:num_decodes],
+                block_n=DECODE_BLOCK_N,
+            )
+        paged_extend_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            first_seq=num_decodes,
+            num_seqs=metadata.num_seqs - num_decodes,
+            max_query_len=metadata.max_query_len,
+            out=out,
+        )
+        return out

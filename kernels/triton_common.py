@@ -1,0 +1,22 @@
+"""Choices shared by the Triton kernels: how tensor-core products are fed, and launch sizes."""
+
+import os
+
+import torch
+import triton
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether `tl.dot` must take fp32 operands: fp32 data, or the interpreter, which cannot multiply
+    16-bit floats in `tl.dot`. 16-bit data upcast to fp32 is exact, so only speed differs."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 products in full precision; TF32 would round fp32 data to 10 mantissa bits."""
+    return "ieee" if dot_in_fp32(dtype) else "tf32"
+
+
+def padded(n: int, minimum: int = 16) -> int:
+    """A power-of-two tile extent >= n; `tl.dot` needs each dimension >= 16."""
+    return max(minimum, triton.next_power_of_2(n))
