@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import StatsTracker, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: RequestStream
+    arrival_s: float  # when the server accepted it, so queue time includes the wait for the engine thread
 
 
 @dataclass(frozen=True)
@@ -86,15 +88,23 @@ class AsyncLLMEngine:
     engine: LLMEngine  # built on the engine thread; read-only elsewhere (tokenizer, limits, usage)
 
     def __init__(
-        self, make_engine: Callable[[], LLMEngine], max_queued_requests: int, stall_timeout_s: float = 60.0
+        self,
+        make_engine: Callable[[], LLMEngine],
+        max_queued_requests: int,
+        stall_timeout_s: float = 60.0,
+        on_stats: Callable[[StepStats], None] | None = None,
     ) -> None:
         """Builds the engine with `make_engine` on the engine thread and returns once it is ready.
 
         All torch work (loading, KV allocation, steps) stays on that one thread: measured on the CPU,
         steps ran ~1.6x slower when the model was built on another thread than the one stepping it.
+        `on_stats` gets the stats of every loop iteration, on the engine thread, before its outputs
+        are published (so a client that saw a token finds it counted); it must be quick.
         """
         self.max_queued_requests = max_queued_requests
         self.stall_timeout_s = stall_timeout_s
+        self._on_stats = on_stats
+        self._stats = StatsTracker()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine thread only
         self._lock = threading.Lock()
@@ -149,7 +159,7 @@ class AsyncLLMEngine:
                 raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
             self._num_in_flight += 1
         stream = RequestStream(loop)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, stream))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, stream, time.monotonic()))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -158,20 +168,25 @@ class AsyncLLMEngine:
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
             self.engine = make_engine()
+            self._report_stats()  # the KV cache's size and empty queues, before any request
         except BaseException as error:  # re-raised by the constructor on the caller's thread
             self._startup_error = error
             return
         finally:
             self._ready.set()
         while self._apply_commands(block=not self.engine.has_unfinished()):
+            start_s = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as error:  # a failed step must not kill the loop or strand clients
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineStepError(f"engine step failed: {error}"))
+                self._report_stats()
                 continue
             self._last_progress_s = time.monotonic()
             self._num_running = len(self.engine.scheduler.running)
+            self._stats.stepped(self.engine.scheduler.last_output, outputs, start_s, self._last_progress_s)
+            self._report_stats()
             for output in outputs:
                 stream = self._close(output.request_id) if output.finished else self._streams.get(output.request_id)
                 if stream is not None:
@@ -194,13 +209,16 @@ class AsyncLLMEngine:
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
+            self._stats.finished(command.request_id, "abort")
             stream = self._close(command.request_id)
             if output is not None and stream is not None:
                 stream.publish(output)
             return
+        self._stats.arrived(command.request_id, len(command.prompt_token_ids), command.arrival_s)
         try:
             self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
         except Exception as error:  # checked at submit; anything left is reported, not raised
+            self._stats.finished(command.request_id, "error")
             self._streams[command.request_id] = command.stream
             self._close(command.request_id).fail(error)
             return
@@ -216,5 +234,11 @@ class AsyncLLMEngine:
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._streams):
             self.engine.abort(request_id)
+            self._stats.finished(request_id, "error")
             self._close(request_id).fail(error)
         self._num_running = 0
+
+    def _report_stats(self) -> None:
+        stats = self._stats.collect(self.engine.scheduler)  # collected even unread, so nothing piles up
+        if self._on_stats is not None:
+            self._on_stats(stats)

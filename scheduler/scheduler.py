@@ -26,6 +26,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        # The latest step's decision, kept for the engine's stats (batch size, queue and prefill times).
+        self.last_output = SchedulerOutput(scheduled=[])
 
     @property
     def num_unfinished(self) -> int:
@@ -65,7 +67,8 @@ class Scheduler:
         scheduled_items = list(scheduled.values())
         if not preempted:
             self._admit_waiting(token_budget, scheduled_items)
-        return SchedulerOutput(scheduled=scheduled_items, preempted=preempted)
+        self.last_output = SchedulerOutput(scheduled=scheduled_items, preempted=preempted)
+        return self.last_output
 
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> None:
         """Record a finished step: computed tokens advance, sampling requests get their token.

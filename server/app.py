@@ -5,13 +5,15 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.chat import create_chat_completion, render_chat_prompt
 from server.completions import create_completion
 from server.context import ServerContext
 from server.errors import HANDLED_ERRORS, APIError, handle_exception
+from server.metrics import CountHTTPRequests
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,7 +69,7 @@ class BodySizeLimit:
 
 
 class RefuseWhileDraining:
-    """Answers 503 to every request but /health once `state.draining` is set.
+    """Answers 503 to every request but /health and /metrics once `state.draining` is set.
 
     Plain ASGI on purpose: an `@app.middleware("http")` wraps `receive` so that a handler's
     `request.is_disconnected()` never sees the client go, and a request nobody waits for runs on.
@@ -78,7 +80,7 @@ class RefuseWhileDraining:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.state.draining and scope["path"] != "/health":
+        if scope["type"] == "http" and self.state.draining and scope["path"] not in ("/health", "/metrics"):
             error = APIError(503, "the server is shutting down", type="service_unavailable_error")
             return await error.response()(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -106,6 +108,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
                            allow_headers=["*"])  # fmt: skip
     app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
     app.add_middleware(RefuseWhileDraining, state=app.state)
+    app.add_middleware(CountHTTPRequests, metrics=ctx.metrics, routes=app.routes)  # last added runs first
 
     def require_api_key(request: Request) -> None:
         expected = ctx.settings.api_key
@@ -123,6 +126,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
         if app.state.draining or not ctx.engine.is_healthy():
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/metrics", summary="Prometheus metrics (text format); open like /health, so scrapers need no key")
+    async def metrics():
+        # The classic text format (0.0.4), which every Prometheus reads; prometheus-client's newest is 1.0.0.
+        return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     @app.get("/version")
     async def get_version():

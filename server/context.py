@@ -1,18 +1,13 @@
-"""What request handlers share: settings, the engine, the tokenizer, counters, and request checks."""
+"""What request handlers share: settings, the engine, the tokenizer, metrics, and request checks."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine import SamplingParams
 from engine.async_engine import AsyncLLMEngine
 from server.errors import APIError, bad_request
+from server.metrics import ServerMetrics
 from server.protocol import SamplingFields
 from server.settings import ServerSettings
-
-
-@dataclass
-class Counters:
-    client_disconnects: int = 0
-    rejected_overload: int = 0
 
 
 @dataclass
@@ -21,7 +16,7 @@ class ServerContext:
     engine: AsyncLLMEngine
     model_name: str
     chat_template: str | None
-    counters: Counters = field(default_factory=Counters)
+    metrics: ServerMetrics
 
     @property
     def tokenizer(self):
@@ -39,7 +34,7 @@ class ServerContext:
             )  # fmt: skip
 
     def count_disconnect(self) -> None:
-        self.counters.client_disconnects += 1
+        self.metrics.client_disconnects.inc()
 
     def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Checks the server's own caps; the engine checks the rest when the request is submitted."""

@@ -104,6 +104,7 @@ async def handle_exception(request: Request, error: Exception) -> JSONResponse:
     api_error = to_api_error(error)
     if api_error.status == 500:
         logger.error("request %s failed", request.url.path, exc_info=error)
-    if api_error.status == 429:
-        request.app.state.ctx.counters.rejected_overload += 1
+    rejected_reason = {400: "validation", 429: "overload"}.get(api_error.status)
+    if rejected_reason is not None:
+        request.app.state.ctx.metrics.requests_rejected[rejected_reason].inc()
     return api_error.response()

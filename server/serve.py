@@ -12,6 +12,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.default_model import DEFAULT_MODEL_NAME
 from server.app import create_app
 from server.context import ServerContext
+from server.metrics import ServerMetrics
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -20,13 +21,19 @@ DRAIN_POLL_S = 0.1
 
 def build_context(settings: ServerSettings) -> ServerContext:
     default_name = Path(settings.model).name if settings.model else DEFAULT_MODEL_NAME
+    model_name = settings.served_model_name or default_name
+    metrics = ServerMetrics(model_name)
+    engine = AsyncLLMEngine(
+        lambda: LLMEngine(settings.engine_config()),
+        max_queued_requests=settings.max_queued_requests,
+        on_stats=metrics.record_step,
+    )
     return ServerContext(
         settings=settings,
-        engine=AsyncLLMEngine(
-            lambda: LLMEngine(settings.engine_config()), max_queued_requests=settings.max_queued_requests
-        ),
-        model_name=settings.served_model_name or default_name,
+        engine=engine,
+        model_name=model_name,
         chat_template=_read_chat_template(settings.chat_template),
+        metrics=metrics,
     )
 
 

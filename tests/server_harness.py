@@ -1,6 +1,6 @@
 """A real uvicorn server on a free loopback port, run in a thread of the test process.
 
-Running in-process lets tests look at the engine behind the HTTP API (KV blocks, counters)
+Running in-process lets tests look at the engine behind the HTTP API (KV blocks, metrics)
 while clients talk to it over real sockets.
 """
 
@@ -15,6 +15,7 @@ import uvicorn
 
 from server.app import create_app
 from server.context import ServerContext
+from server.metrics import PREFIX
 from server.serve import build_context
 from server.settings import ServerSettings
 
@@ -30,6 +31,10 @@ class RunningServer:
     def engine(self):
         """The synchronous LLMEngine behind the server."""
         return self.ctx.engine.engine
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """A sample's value in the server's registry (`name` without the kvserve: prefix); None if absent."""
+        return self.ctx.metrics.registry.get_sample_value(PREFIX + name, {"model_name": self.ctx.model_name, **labels})
 
     def wait_until_idle(self, timeout_s: float = 30.0) -> None:
         """Wait until no request is in flight (aborts are applied by the engine thread)."""

@@ -162,7 +162,7 @@ def test_requests_beyond_the_waiting_queue_get_429_at_once_and_the_admitted_ones
             assert_openai_error(response, 429)
             assert int(response.headers["retry-after"]) >= 1
             assert elapsed_s < first_completion_s  # refused at once, not after waiting for room
-        assert running.ctx.counters.rejected_overload == len(rejected)
+        assert running.metric("requests_rejected_total", reason="overload") == len(rejected)
         assert_nothing_allocated(running)
         assert httpx.post(running.base_url + COMPLETIONS, json=COMPLETION, timeout=30).status_code == 200
 
@@ -186,7 +186,7 @@ def engine_aborts(server, monkeypatch) -> list:
 
 def test_closing_a_stream_aborts_its_request_and_frees_its_blocks(server, engine_aborts, monkeypatch):
     slow_down_steps(server, monkeypatch)
-    disconnects_before = server.ctx.counters.client_disconnects
+    disconnects_before = server.metric("client_disconnects_total")
     body = {**COMPLETION, "max_tokens": 400, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=server.base_url, timeout=30) as client,
@@ -201,19 +201,19 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_blocks(server, engine
     wait_for(lambda: not server.engine.has_unfinished())
     assert server.engine.kv_usage().num_used_blocks == 0
     assert [answer.finish_reason for answer in engine_aborts if answer is not None] == ["abort"]
-    wait_for(lambda: server.ctx.counters.client_disconnects == disconnects_before + 1)
+    wait_for(lambda: server.metric("client_disconnects_total") == disconnects_before + 1)
 
 
 def test_a_client_that_times_out_on_a_long_request_gets_it_aborted(server, engine_aborts, monkeypatch):
     slow_down_steps(server, monkeypatch)
-    disconnects_before = server.ctx.counters.client_disconnects
+    disconnects_before = server.metric("client_disconnects_total")
     with httpx.Client(base_url=server.base_url, timeout=0.5) as client, pytest.raises(httpx.ReadTimeout):
         client.post(COMPLETIONS, json={**COMPLETION, "max_tokens": 400, "ignore_eos": True})
 
     wait_for(lambda: not server.engine.has_unfinished())
     assert server.engine.kv_usage().num_used_blocks == 0
     assert [answer.finish_reason for answer in engine_aborts if answer is not None] == ["abort"]
-    wait_for(lambda: server.ctx.counters.client_disconnects == disconnects_before + 1)
+    wait_for(lambda: server.metric("client_disconnects_total") == disconnects_before + 1)
     assert httpx.post(server.base_url + COMPLETIONS, json=COMPLETION, timeout=30).status_code == 200
 
 
@@ -251,9 +251,11 @@ def assert_recovered(running: RunningServer) -> None:
 
 def test_a_failing_step_answers_the_request_in_flight_with_500_and_the_engine_recovers(fragile, monkeypatch):
     fail_one_step(fragile, monkeypatch, num_good_steps=3)
+    errors_before = fragile.metric("requests_finished_total", finished_reason="error")
     response = httpx.post(fragile.base_url + COMPLETIONS, json={**COMPLETION, "max_tokens": 20}, timeout=30)
     error = assert_openai_error(response, 500)
     assert error["type"] == "internal_error" and "injected step failure" in error["message"]
+    assert fragile.metric("requests_finished_total", finished_reason="error") == errors_before + 1
     assert_recovered(fragile)
 
 

@@ -1,0 +1,170 @@
+"""Plain engine statistics, for whoever exports them (the server's Prometheus recorder).
+
+`StatsTracker` lives on the engine thread: the async engine tells it when requests arrive, step and
+finish, and after each loop iteration it hands over one `StepStats` with what happened since the
+last one. Nothing here knows about Prometheus or HTTP; the work per step is a few dict look-ups
+per scheduled request, so it costs the loop next to nothing.
+"""
+
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestOutput
+from kvcache import KVUsage
+from scheduler import RequestStatus, Scheduler, SchedulerOutput
+
+# Reasons a request can finish with; "error" is a failed step or a request the engine refused late.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class CompletedRequestStats:
+    """Timings and lengths of a request that ran to a stop condition or to max_tokens.
+
+    queue: arrival to first scheduled; prefill: first scheduled to first token; decode: first to
+    last token; end-to-end: arrival to last token. Aborted and failed requests are not described
+    here: their times tell how long a client waited, not how long the server took.
+    """
+
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency_s: float
+    queue_time_s: float
+    prefill_time_s: float
+    decode_time_s: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine loop iteration: the queues and KV cache after it, and what it added up to."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int  # waiting again after a preemption, to be recomputed
+    kv_usage: KVUsage
+    num_batched_requests: int  # requests in this iteration's model step; 0 when nothing ran
+    num_batched_tokens: int  # tokens computed in that step
+    num_prompt_tokens: int  # prompts whose prefill finished (they produced their first token)
+    num_generation_tokens: int
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    time_to_first_token_s: list[float] = field(default_factory=list)
+    inter_token_latency_s: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)  # one per request that finished, any reason
+    completed: list[CompletedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class _RequestTimes:
+    arrival_s: float
+    num_prompt_tokens: int
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float = 0.0
+    num_generation_tokens: int = 0
+
+
+class StatsTracker:
+    """Collects request timings and step counts between two `collect` calls. Engine thread only."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, _RequestTimes] = {}
+        self._pending = _Pending()
+        self._prefix_cache_queried_tokens = 0  # the scheduler's running totals at the last collect
+        self._prefix_cache_hit_tokens = 0
+
+    def arrived(self, request_id: str, num_prompt_tokens: int, arrival_s: float) -> None:
+        self._times[request_id] = _RequestTimes(arrival_s, num_prompt_tokens)
+
+    def stepped(self, output: SchedulerOutput, outputs: list[RequestOutput], start_s: float, end_s: float) -> None:
+        """Account for one model step: what it batched and the tokens it produced (at `end_s`)."""
+        pending = self._pending
+        # One model step per loop iteration, so these describe that step (for the per-step histograms).
+        pending.num_batched_requests = len(output.scheduled)
+        pending.num_batched_tokens = output.num_batched_tokens
+        pending.num_preemptions += len(output.preempted)
+        for item in output.scheduled:
+            times = self._times.get(item.request.request_id)
+            if times is not None and times.first_scheduled_s is None:
+                times.first_scheduled_s = start_s
+        for request_output in outputs:
+            self._on_token(request_output, end_s)
+
+    def finished(self, request_id: str, reason: str) -> None:
+        """A request that ended outside a step (abort, failure)."""
+        if self._times.pop(request_id, None) is not None:
+            self._pending.finish_reasons.append(reason)
+
+    def collect(self, scheduler: Scheduler) -> StepStats:
+        """Everything since the last call, with the queues and KV cache as they are now."""
+        pending, self._pending = self._pending, _Pending()
+        queried, hit = scheduler.prefix_cache_queried_tokens, scheduler.prefix_cache_hit_tokens
+        stats = StepStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_preempted_waiting=sum(request.status is RequestStatus.PREEMPTED for request in scheduler.waiting),
+            kv_usage=scheduler.kv_usage(),
+            num_batched_requests=pending.num_batched_requests,
+            num_batched_tokens=pending.num_batched_tokens,
+            num_prompt_tokens=pending.num_prompt_tokens,
+            num_generation_tokens=pending.num_generation_tokens,
+            num_preemptions=pending.num_preemptions,
+            prefix_cache_queried_tokens=queried - self._prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=hit - self._prefix_cache_hit_tokens,
+            time_to_first_token_s=pending.time_to_first_token_s,
+            inter_token_latency_s=pending.inter_token_latency_s,
+            finish_reasons=pending.finish_reasons,
+            completed=pending.completed,
+        )
+        self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit
+        return stats
+
+    def _on_token(self, output: RequestOutput, now_s: float) -> None:
+        times = self._times.get(output.request_id)
+        if times is None:
+            return
+        pending = self._pending
+        num_tokens = len(output.token_ids)
+        pending.num_generation_tokens += num_tokens - times.num_generation_tokens
+        times.num_generation_tokens = num_tokens
+        if times.first_token_s is None:
+            times.first_token_s = now_s
+            pending.num_prompt_tokens += times.num_prompt_tokens
+            pending.time_to_first_token_s.append(now_s - times.arrival_s)
+        else:
+            pending.inter_token_latency_s.append(now_s - times.last_token_s)
+        times.last_token_s = now_s
+        if output.finish_reason is None:
+            return
+        del self._times[output.request_id]
+        pending.finish_reasons.append(output.finish_reason)
+        if output.finish_reason in ("stop", "length"):
+            pending.completed.append(_completed(times))
+
+
+@dataclass
+class _Pending:
+    """What happened since the last `collect`."""
+
+    num_batched_requests: int = 0
+    num_batched_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    time_to_first_token_s: list[float] = field(default_factory=list)
+    inter_token_latency_s: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    completed: list[CompletedRequestStats] = field(default_factory=list)
+
+
+def _completed(times: _RequestTimes) -> CompletedRequestStats:
+    # A request that produced a token was scheduled and has a first token.
+    first_scheduled_s, first_token_s = times.first_scheduled_s, times.first_token_s
+    return CompletedRequestStats(
+        num_prompt_tokens=times.num_prompt_tokens,
+        num_generation_tokens=times.num_generation_tokens,
+        e2e_latency_s=times.last_token_s - times.arrival_s,
+        queue_time_s=first_scheduled_s - times.arrival_s,
+        prefill_time_s=first_token_s - first_scheduled_s,
+        decode_time_s=times.last_token_s - first_token_s,
+    )
