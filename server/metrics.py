@@ -2,14 +2,14 @@
 
 Every metric is named `kvserve:<what>_<unit>` and labelled with the served model's name. Each app
 has its own `CollectorRegistry`, so a process (or a test session) can hold many apps. The engine
-thread calls `record_step` once per loop iteration; it only adds to counters and histograms.
+thread calls `record_step` once per loop iteration; it only sets gauges and adds to counters and
+histograms (bulk ones: see server/bulk_histogram.py).
 """
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.stats import FINISH_REASONS, StepStats
+from server.bulk_histogram import BulkHistogram, BulkHistogramCollector
 
 PREFIX = "kvserve:"
 REJECT_REASONS = ("overload", "validation")
@@ -57,10 +58,6 @@ class ServerMetrics:
         def counter(name: str, documentation: str) -> Counter:
             return Counter(PREFIX + name, documentation, ["model_name"], registry=self.registry).labels(model)
 
-        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
-            family = Histogram(PREFIX + name, documentation, ["model_name"], registry=self.registry, buckets=buckets)
-            return family.labels(model)
-
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_requests_preempted_waiting = gauge(
@@ -91,6 +88,11 @@ class ServerMetrics:
                                       ["model_name", "route", "method", "status"], registry=self.registry)  # fmt: skip
         self._model_name = model
 
+        def histogram(name: str, documentation: str, buckets: list[float]) -> BulkHistogram:
+            histograms.append(BulkHistogram(PREFIX + name, documentation, buckets))
+            return histograms[-1]
+
+        histograms: list[BulkHistogram] = []
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "From arrival to the first generated token.", LATENCY_BUCKETS_S
         )
@@ -123,6 +125,7 @@ class ServerMetrics:
             "step_batch_requests", "Requests in one model step.", BATCH_REQUEST_BUCKETS
         )
         self.step_batch_tokens = histogram("step_batch_tokens", "Tokens in one model step.", BATCH_TOKEN_BUCKETS)
+        self.registry.register(BulkHistogramCollector(histograms, {"model_name": model}))
 
     def record_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every loop iteration."""
@@ -135,8 +138,8 @@ class ServerMetrics:
         self.kv_cache_usage_ratio.set(usage.usage_fraction)
         self.kv_cache_slot_utilization_ratio.set(usage.slot_utilization)
         if stats.num_batched_requests:
-            self.step_batch_requests.observe(stats.num_batched_requests)
-            self.step_batch_tokens.observe(stats.num_batched_tokens)
+            self.step_batch_requests.observe_all((stats.num_batched_requests,))
+            self.step_batch_tokens.observe_all((stats.num_batched_tokens,))
         # Counters only move when something happened: most steps are plain decodes.
         for counter, amount in (
             (self.prompt_tokens, stats.num_prompt_tokens),
@@ -147,19 +150,18 @@ class ServerMetrics:
         ):
             if amount:
                 counter.inc(amount)
-        for seconds in stats.time_to_first_token_s:
-            self.time_to_first_token.observe(seconds)
-        for seconds in stats.inter_token_latency_s:
-            self.inter_token_latency.observe(seconds)
+        self.time_to_first_token.observe_all(stats.time_to_first_token_s)
+        self.inter_token_latency.observe_all(stats.inter_token_latency_s)
         for reason in stats.finish_reasons:
             self.requests_finished[reason].inc()
-        for request in stats.completed:
-            self.e2e_request_latency.observe(request.e2e_latency_s)
-            self.request_queue_time.observe(request.queue_time_s)
-            self.request_prefill_time.observe(request.prefill_time_s)
-            self.request_decode_time.observe(request.decode_time_s)
-            self.request_prompt_tokens.observe(request.num_prompt_tokens)
-            self.request_generation_tokens.observe(request.num_generation_tokens)
+        if stats.completed:
+            completed = stats.completed
+            self.e2e_request_latency.observe_all(request.e2e_latency_s for request in completed)
+            self.request_queue_time.observe_all(request.queue_time_s for request in completed)
+            self.request_prefill_time.observe_all(request.prefill_time_s for request in completed)
+            self.request_decode_time.observe_all(request.decode_time_s for request in completed)
+            self.request_prompt_tokens.observe_all(request.num_prompt_tokens for request in completed)
+            self.request_generation_tokens.observe_all(request.num_generation_tokens for request in completed)
 
     def count_http_request(self, route: str, method: str, status: int) -> None:
         self._http_requests.labels(self._model_name, route, method, str(status)).inc()
