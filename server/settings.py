@@ -66,7 +66,11 @@ def load_settings(config_file: str | Path | None, cli_overrides: dict, environ: 
             values[name] = yaml.safe_load(environ[env_name])  # so "8", "true", "[a, b]" get their types
     values.update({key: value for key, value in cli_overrides.items() if value is not None})
     try:
-        return ServerSettings(**values)
+        settings = ServerSettings(**values)
+        settings.engine_config()  # EngineConfig's own checks (e.g. block_size a power of two), named, at start-up
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         raise SettingsError(f"invalid settings: {problems}") from None
+    except ValueError as error:
+        raise SettingsError(f"invalid settings: {error}") from None
+    return settings

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig
+from server import cli
 from server.settings import ServerSettings, SettingsError, load_settings
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -45,6 +46,12 @@ def test_flags_override_env_which_overrides_the_file(tmp_path):
         ("port: many\n", {}, "port"),
         ("", {"KVSERVE_MAX_NUM_SEQS": "lots"}, "max_num_seqs"),
         ("- a\n- b\n", {}, "mapping"),
+        ("enable_prefix_caching: maybe\n", {}, "enable_prefix_caching"),
+        ("max_num_seqs: 4.5\n", {}, "max_num_seqs"),
+        ("cors_allow_origins: 7\n", {}, "cors_allow_origins"),
+        ("port: 70000\n", {}, "port"),
+        ("block_size: 24\n", {}, "block_size"),  # EngineConfig's own check, run at load time too
+        ("gpu_memory_utilization: 1.5\n", {}, "gpu_memory_utilization"),
     ],
 )
 def test_unknown_keys_and_wrong_types_are_refused_by_name(tmp_path, content, env, named):
@@ -52,3 +59,17 @@ def test_unknown_keys_and_wrong_types_are_refused_by_name(tmp_path, content, env
     config_file.write_text(content)
     with pytest.raises(SettingsError, match=named):
         load_settings(config_file, {}, environ=env)
+
+
+def test_kvserve_serve_refuses_a_bad_config_file_before_loading_anything(tmp_path, capsys):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("max_num_seqs: 4\nmax_batch: 8\n")
+    assert cli.main(["serve", "--config", str(config_file)]) == 2
+    assert "max_batch" in capsys.readouterr().err
+
+
+def test_kvserve_serve_refuses_a_flag_of_the_wrong_type(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--max-num-seqs", "lots"])
+    assert exit_info.value.code == 2
+    assert "--max-num-seqs" in capsys.readouterr().err
