@@ -148,6 +148,7 @@ def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(
         refused_s = time.monotonic()
         assert_openai_error(refused, 503)
         assert httpx.get(server.base_url + "/health", timeout=30).status_code == 503
+        assert httpx.get(server.base_url + "/metrics", timeout=30).status_code == 200  # scrapers see the drain
 
         in_flight.join()
         assert in_flight.error is None and in_flight.response.status_code == 200, in_flight.response.text
