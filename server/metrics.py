@@ -22,6 +22,8 @@ from server.bulk_histogram import BulkHistogram, BulkHistogramCollector
 
 PREFIX = "kvserve:"
 REJECT_REASONS = ("overload", "validation")
+# Label values a client controls stay bounded: other methods count as "other", as unknown paths do.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # No `<counter>_created` series: a second series per counter and histogram that no dashboard reads.
 disable_created_metrics()
 
@@ -195,7 +197,8 @@ class CountHTTPRequests:
         try:
             await self.app(scope, receive, send_and_note_status)
         finally:
-            self.metrics.count_http_request(route, scope["method"], status)
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+            self.metrics.count_http_request(route, method, status)
 
     def _route_template(self, scope: Scope) -> str:
         for route in self.routes:

@@ -202,10 +202,12 @@ def test_gauges_show_a_running_request_and_an_abort_is_counted_when_its_client_l
     assert fresh.metric("time_to_first_token_seconds_count") == 1
 
 
-def test_unknown_paths_are_counted_under_one_route_label(fresh):
+def test_unknown_paths_and_methods_are_counted_under_one_label_each(fresh):
     for path in ("/nope", "/v2/anything", "/v1/completions/extra"):
         assert httpx.get(fresh.base_url + path).status_code == 404
     assert httpx.get(fresh.base_url + "/health").status_code == 200
+    assert httpx.request("BREW", fresh.base_url + "/health").status_code == 405
 
     wait_for(lambda: fresh.metric("http_requests_total", route="other", method="GET", status="404") == 3)
     assert fresh.metric("http_requests_total", route="/health", method="GET", status="200") == 1
+    wait_for(lambda: fresh.metric("http_requests_total", route="/health", method="other", status="405") == 1)
