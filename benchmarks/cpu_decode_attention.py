@@ -15,9 +15,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, paged_attention
+from kernels import AttentionMetadata, PagedKV, paged_attention
 
 BATCH, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 4, 64, 16
+
+
+def kvserve_decode(query, key_cache, value_cache, metadata, scale):
+    return paged_attention(query, PagedKV(key_cache, value_cache), metadata, scale)
 
 
 def padded_batched_decode(query, key_cache, value_cache, metadata, scale):
@@ -86,11 +90,11 @@ def main() -> None:
     query, key_cache, value_cache, metadata = make_batch()
     scale = HEAD_DIM**-0.5
     peers = {
-        "kvserve per-request paged attention (bmm)": paged_attention,
+        "kvserve per-request paged attention (bmm)": kvserve_decode,
         "per-request gather + SDPA": per_request_sdpa_decode,
         "padded batched gather + masked SDPA": padded_batched_decode,
     }
-    reference = paged_attention(query, key_cache, value_cache, metadata, scale)
+    reference = kvserve_decode(query, key_cache, value_cache, metadata, scale)
     print(
         f"{BATCH} decoding requests, context 48-1024 (mean {statistics.mean(metadata.seq_lens_cpu):.0f}), "
         f"{NUM_HEADS} q / {NUM_KV_HEADS} kv heads x {HEAD_DIM}, torch threads {torch.get_num_threads()}"

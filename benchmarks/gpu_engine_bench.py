@@ -2,8 +2,9 @@
 
 A Qwen3-0.6B-shaped model with seeded random weights (no download) serves 256 requests with prompt
 and output lengths uniform in 100-1024 (greedy, EOS ignored, each request its own output length).
-Both peers run in this process on the same checkpoint, kvserve first; each is warmed up first (Triton
-compilation, HF's CUDA-graph capture) and timed from the first request to the last token.
+The peers run in this process on the same checkpoint, one after the other: kvserve, HF, kvserve with
+an int8 KV cache. Each is warmed up first (Triton compilation, HF's CUDA-graph capture) and timed
+from the first request to the last token.
 
     python benchmarks/gpu_engine_bench.py            # the workload of BENCHMARKS.md (CUDA)
     python benchmarks/gpu_engine_bench.py --smoke    # a tiny model and workload, to check the script on a CPU
@@ -48,8 +49,11 @@ def build_checkpoint(shape: dict, out_dir: Path) -> Path:
     return write_random_checkpoint(config, tokenizer, out_dir, seed=0)
 
 
-def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str) -> tuple[float, int]:
-    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=len(prompts), gpu_memory_utilization=0.5)
+def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtype: str) -> tuple[float, int]:
+    llm = LLM(
+        str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(prompts),
+        gpu_memory_utilization=0.5,
+    )  # fmt: skip
     warmup = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0][:200], prompts[1][:30]], warmup)  # compiles the decode and extend kernels
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
@@ -82,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload on whatever device there is")
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--peers", default="kvserve,hf-continuous")
+    parser.add_argument("--peers", default="kvserve,hf-continuous,kvserve-int8", help="run in this order")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SMOKE_SHAPE if args.smoke else QWEN3_0_6B_SHAPE
@@ -96,13 +100,16 @@ def main() -> None:
         prompts, output_lens = make_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
         print(f"{num_requests} requests, prompt and output lengths uniform in {lengths}: {sum(output_lens)} tokens out")
         results = {}
-        if "kvserve" in args.peers:
-            results["kvserve"] = run_kvserve(model_dir, prompts, output_lens, str(dtype).removeprefix("torch."))
-            print(f"kvserve: {results['kvserve'][1] / results['kvserve'][0]:.0f} tok/s", flush=True)
+        for peer in args.peers.split(","):
+            if peer.startswith("kvserve"):
+                kv_cache_dtype = "int8" if peer == "kvserve-int8" else "auto"
+                dtype_name = str(dtype).removeprefix("torch.")
+                results[peer] = run_kvserve(model_dir, prompts, output_lens, dtype_name, kv_cache_dtype)
+            else:
+                results[peer] = run_hf(model_dir, prompts, output_lens, dtype, device)
+            print(f"{peer}: {results[peer][1] / results[peer][0]:.0f} tok/s", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if "hf-continuous" in args.peers:
-            results["hf-continuous"] = run_hf(model_dir, prompts, output_lens, dtype, device)
 
     kvserve_rate = results["kvserve"][1] / results["kvserve"][0] if "kvserve" in results else None
     print(f"\n{'peer':16} {'time s':>8} {'out tok':>8} {'tok/s':>8} {'kvserve x':>10}")

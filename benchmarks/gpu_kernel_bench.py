@@ -3,7 +3,8 @@
 Decode: for each (batch, context, heads) the Triton split-KV decode kernel reads every cached key and
 value once; its achieved bandwidth (bytes of K and V read / median time) is printed beside the
 device-to-device copy bandwidth (bytes read + written / time) and beside PyTorch SDPA on the same
-KV made contiguous (the non-paged bound; the query heads of a KV head become SDPA's query rows).
+KV made contiguous (the non-paged bound; the query heads of a KV head become SDPA's query rows),
+and the same kernel's time over an int8 cache (int8_speedup = 16-bit time / int8 time).
 Prefill/extend: the Triton extend kernel against causal SDPA on contiguous, head-expanded K/V.
 
     python benchmarks/gpu_kernel_bench.py                 # the sweep of BENCHMARKS.md (CUDA)
@@ -28,7 +29,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import AttentionMetadata, AttentionShape, select_attention_backend
+from kernels import AttentionMetadata, AttentionShape, PagedKV, select_attention_backend
 
 BLOCK_SIZE = 16
 
@@ -84,7 +85,15 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, devic
     query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
     backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
     scale = head_dim**-0.5
-    triton_ms = time_ms(lambda: backend.paged_attention(query, key_cache, value_cache, metadata, scale))
+    cache = PagedKV(key_cache, value_cache)
+    triton_ms = time_ms(lambda: backend.paged_attention(query, cache, metadata, scale))
+    # The int8 cache's contents do not change the time: random data and scales of the same shape.
+    scale_shape = key_cache.shape[:-1]
+    int8_cache = PagedKV(
+        *(torch.randint(-127, 128, key_cache.shape, dtype=torch.int8, device=device) for _ in range(2)),
+        *(torch.rand(scale_shape, device=device) / 127 for _ in range(2)),
+    )
+    int8_ms = time_ms(lambda: backend.paged_attention(query, int8_cache, metadata, scale))
 
     keys, values = contiguous_kv(key_cache, metadata, context), contiguous_kv(value_cache, metadata, context)
     group = num_heads // num_kv_heads
@@ -102,6 +111,8 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, devic
         "of_copy": triton_gbs / copy_gbs,
         "sdpa_contiguous_ms": sdpa_ms,
         "sdpa_gbs": kv_bytes / sdpa_ms / 1e6,
+        "int8_ms": int8_ms,
+        "int8_speedup": triton_ms / int8_ms,
     }
 
 
@@ -110,7 +121,8 @@ def bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, d
     query = torch.randn(batch * query_len, num_heads, head_dim, dtype=dtype, device=device)
     backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
     scale = head_dim**-0.5
-    triton_ms = time_ms(lambda: backend.paged_attention(query, key_cache, value_cache, metadata, scale))
+    cache = PagedKV(key_cache, value_cache)
+    triton_ms = time_ms(lambda: backend.paged_attention(query, cache, metadata, scale))
 
     group = num_heads // num_kv_heads
     keys = contiguous_kv(key_cache, metadata, context).repeat_interleave(group, dim=1)

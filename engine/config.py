@@ -7,6 +7,7 @@ import torch
 from kernels import check_backend_name
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,8 @@ class EngineConfig:
 
     model: a HF checkpoint directory; None means the built-in default model (random weights).
     dtype: "auto" (float32 on CPU, the checkpoint's 16-bit dtype on CUDA), "float32", "bfloat16", "float16".
+    kv_cache_dtype: "auto" (K and V in the model's dtype) or "int8" (one fp32 scale per token and head;
+        about half the bytes of a 16-bit cache).
     kv_cache_memory_bytes: byte budget of the KV cache; None means 1 GiB on CPU and
         `gpu_memory_utilization` of the GPU's memory, less what the model and a warm-up step use, on CUDA.
     max_model_len: context window; None means the model's.
@@ -28,6 +31,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -50,6 +54,8 @@ class EngineConfig:
         if not 0 <= self.watermark_fraction < 1:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction}")
         check_backend_name(self.attention_backend)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 
@@ -67,3 +73,6 @@ class EngineConfig:
         if device.type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def torch_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.int8 if self.kv_cache_dtype == "int8" else model_dtype

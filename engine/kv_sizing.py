@@ -3,6 +3,7 @@
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.model_runner import paged_kv_layers
 from engine.models import DecoderForCausalLM
 from kernels import AttentionBackend, AttentionMetadata
 from kvcache import KVCache, KVCacheSpec
@@ -49,7 +50,7 @@ def _warmup_peak_bytes(model, spec: KVCacheSpec, backend, device, num_tokens: in
         seq_lens_cpu=[num_tokens],
     )
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    hidden = model(input_ids, positions, scratch.key_caches, scratch.value_caches, metadata, backend)
+    hidden = model(input_ids, positions, paged_kv_layers(scratch), metadata, backend)
     model.compute_logits(hidden[-1:])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.total_bytes

@@ -77,7 +77,7 @@ class LLMEngine:
             num_layers=model_config.num_layers,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
-            dtype=self.dtype,
+            dtype=config.torch_kv_cache_dtype(self.dtype),
             block_size=config.block_size,
         )
         backend = select_attention_backend(
@@ -106,15 +106,18 @@ class LLMEngine:
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._request_counter = itertools.count()
         logger.info(
-            "loaded %s (%s, %s on %s); KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+            "loaded %s (%s, %s on %s); KV cache (%s%s): %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes a token)",
             self.model_dir,
             type(self.model).__name__,
             self.dtype,
             self.device,
+            spec.dtype,
+            " + fp32 scales per token and head" if spec.quantized else "",
             num_blocks,
             config.block_size,
             self.kv_cache.num_tokens,
             self.kv_cache.total_bytes / 2**20,
+            spec.bytes_per_token,
         )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:

@@ -3,9 +3,18 @@
 import torch
 
 from engine.models import DecoderForCausalLM
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata, PagedKV
 from kvcache import KVCache
 from scheduler import SchedulerOutput
+
+
+def paged_kv_layers(kv_cache: KVCache) -> list[PagedKV]:
+    """Each layer's view of the cache, as the attention backends take it."""
+    data = zip(kv_cache.key_caches, kv_cache.value_caches, strict=True)
+    if not kv_cache.spec.quantized:
+        return [PagedKV(key, value) for key, value in data]
+    scales = zip(kv_cache.key_scales, kv_cache.value_scales, strict=True)
+    return [PagedKV(key, value, *scale) for (key, value), scale in zip(data, scales, strict=True)]
 
 
 class ModelRunner:
@@ -14,6 +23,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.layer_caches = paged_kv_layers(kv_cache)
         self.backend = backend
         self.device = device
         self.block_size = kv_cache.spec.block_size
@@ -22,9 +32,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling_requests, vocab_size] (fp32) for the scheduled requests that sample, in order."""
         input_ids, positions, metadata = self.prepare_inputs(output)
-        hidden = self.model(
-            input_ids, positions, self.kv_cache.key_caches, self.kv_cache.value_caches, metadata, self.backend
-        )
+        hidden = self.model(input_ids, positions, self.layer_caches, metadata, self.backend)
         last_rows = metadata.query_start_loc[1:] - 1
         sampling = torch.tensor([item.samples_next_token for item in output.scheduled], device=self.device)
         return self.model.compute_logits(hidden[last_rows[sampling]])

@@ -13,16 +13,19 @@ from kernels.backend import (
     check_backend_name,
     select_attention_backend,
 )
-from kernels.torch_paged_attention import paged_attention, store_kv
+from kernels.paged_kv import PagedKV
+from kernels.torch_paged_attention import paged_attention, quantize_per_token_head, store_kv
 
 __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
     "AttentionShape",
+    "PagedKV",
     "TorchAttentionBackend",
     "check_backend_name",
     "paged_attention",
+    "quantize_per_token_head",
     "select_attention_backend",
     "store_kv",
 ]

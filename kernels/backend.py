@@ -9,6 +9,7 @@ import torch
 
 from kernels import torch_paged_attention
 from kernels.attention_metadata import AttentionMetadata
+from kernels.paged_kv import PagedKV
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -16,22 +17,10 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 class AttentionBackend(Protocol):
     name: str
 
-    def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
 
     def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...
 
 
@@ -50,11 +39,11 @@ class TorchAttentionBackend:
 
     name: str = "torch"
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        torch_paged_attention.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    def store_kv(self, key, value, cache, slot_mapping) -> None:
+        torch_paged_attention.store_kv(key, value, cache, slot_mapping)
 
-    def paged_attention(self, query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
-        return torch_paged_attention.paged_attention(query, key_cache, value_cache, metadata, scale)
+    def paged_attention(self, query, cache, metadata, scale) -> torch.Tensor:
+        return torch_paged_attention.paged_attention(query, cache, metadata, scale)
 
 
 def check_backend_name(name: str) -> None:

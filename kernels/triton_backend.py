@@ -7,6 +7,7 @@ import triton
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import AttentionShape
+from kernels.paged_kv import PagedKV
 from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kernels.triton_extend_attention import paged_extend_attention
 from kernels.triton_store_kv import store_kv
@@ -42,25 +43,19 @@ class TritonAttentionBackend:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         return cls(workspace=workspace, target_programs=2 * num_sms)
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        store_kv(key, value, key_cache, value_cache, slot_mapping)
+    def store_kv(self, key, value, cache, slot_mapping) -> None:
+        store_kv(key, value, cache, slot_mapping)
 
     def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_decodes = metadata.num_decodes
         if num_decodes:
-            segments = num_decode_segments(num_decodes, key_cache.shape[2], metadata.max_seq_len, self.target_programs)
+            segments = num_decode_segments(num_decodes, cache.num_kv_heads, metadata.max_seq_len, self.target_programs)
             paged_decode_attention(
                 query[:num_decodes],
-                key_cache,
-                value_cache,
+                cache,
                 metadata.block_tables,
                 metadata.seq_lens,
                 scale,
@@ -71,8 +66,7 @@ class TritonAttentionBackend:
             )
         paged_extend_attention(
             query,
-            key_cache,
-            value_cache,
+            cache,
             metadata.block_tables,
             metadata.seq_lens,
             metadata.query_start_loc,

@@ -5,6 +5,8 @@ import os
 import torch
 import triton
 
+from kernels.paged_kv import PagedKV
+
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether `tl.dot` must take fp32 operands: fp32 data, or the interpreter, which cannot multiply
@@ -20,3 +22,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 def padded(n: int, minimum: int = 16) -> int:
     """A power-of-two tile extent >= n; `tl.dot` needs each dimension >= 16."""
     return max(minimum, triton.next_power_of_2(n))
+
+
+def scale_args(cache: PagedKV) -> tuple:
+    """Scale tensors and their strides; a 16-bit cache passes its data tensors, which are never read as scales."""
+    if cache.quantized:
+        return cache.key_scale, cache.value_scale, cache.key_scale.stride(), cache.value_scale.stride()
+    return cache.key, cache.value, (0, 0, 0), (0, 0, 0)

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_in_fp32, dot_precision, padded
+from kernels.paged_kv import PagedKV
+from kernels.triton_common import dot_in_fp32, dot_precision, padded, scale_args
 from kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
 
 
@@ -25,6 +26,8 @@ def _decode_segment_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     partial_out_ptr,
@@ -41,6 +44,12 @@ def _decode_segment_kernel(
     stride_vc_slot,
     stride_vc_head,
     stride_vc_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
     stride_bt_seq,
     stride_po_seq,
     stride_po_head,
@@ -55,6 +64,7 @@ def _decode_segment_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,13 +96,16 @@ def _decode_segment_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        k, v = load_kv_tiles(
-            key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt_seq, tokens, token_mask, kv_head,
-            dims, dim_mask, stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim, stride_vc_block,
-            stride_vc_slot, stride_vc_head, stride_vc_dim, BLOCK_SIZE, DOT_FP32,
+        k, v, k_scale, v_scale = load_kv_tiles(
+            key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, block_tables_ptr + seq * stride_bt_seq,
+            tokens, token_mask, kv_head, dims, dim_mask, stride_kc_block, stride_kc_slot, stride_kc_head,
+            stride_kc_dim, stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim, stride_ks_block,
+            stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head, BLOCK_SIZE, QUANTIZED,
         )  # fmt: skip
         visible = token_mask[None, :]
-        row_max, row_sum, acc = online_softmax_step(q, k, v, visible, scale, row_max, row_sum, acc, DOT_PRECISION)
+        row_max, row_sum, acc = online_softmax_step(
+            q, k, v, k_scale, v_scale, visible, scale, row_max, row_sum, acc, QUANTIZED, DOT_PRECISION
+        )
 
     # A non-empty segment's sum is >= 1 (its max term is exp(0)); an empty one's is 0, and the floor
     # turns it into zeros here and log-sum-exp -inf, a weight of 0 in the merge.
@@ -185,8 +198,7 @@ class DecodeWorkspace:
 
 def paged_decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -200,7 +212,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = cache.num_kv_heads
     group_size = num_heads // num_kv_heads
     if num_seqs > workspace.max_num_seqs or not 1 <= num_segments <= workspace.max_segments:
         raise ValueError(
@@ -208,19 +220,24 @@ def paged_decode_attention(
             f"({workspace.max_num_seqs} x {workspace.max_segments})"
         )
     head_dim_pad = padded(head_dim)
+    key_scale, value_scale, key_scale_strides, value_scale_strides = scale_args(cache)
     partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
         query,
-        key_cache,
-        value_cache,
+        cache.key,
+        cache.value,
+        key_scale,
+        value_scale,
         block_tables,
         seq_lens,
         partial_out,
         partial_lse,
         scale,
         *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
+        *cache.key.stride(),
+        *cache.value.stride(),
+        *key_scale_strides,
+        *value_scale_strides,
         block_tables.stride(0),
         *partial_out.stride()[:3],
         *partial_lse.stride()[:2],
@@ -228,10 +245,11 @@ def paged_decode_attention(
         GROUP_PAD=padded(group_size),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_SIZE=cache.block_size,
         BLOCK_N=block_n,
-        DOT_FP32=dot_in_fp32(key_cache.dtype),
-        DOT_PRECISION=dot_precision(key_cache.dtype),
+        DOT_FP32=dot_in_fp32(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
+        QUANTIZED=cache.quantized,
     )
     _merge_segments_kernel[(num_seqs, num_heads)](
         partial_out,

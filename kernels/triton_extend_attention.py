@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_in_fp32, dot_precision, padded
+from kernels.paged_kv import PagedKV
+from kernels.triton_common import dot_in_fp32, dot_precision, padded, scale_args
 from kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
 
 
@@ -23,6 +24,8 @@ def _extend_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
     out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -40,6 +43,12 @@ def _extend_kernel(
     stride_vc_slot,
     stride_vc_head,
     stride_vc_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
     stride_o_token,
     stride_o_head,
     stride_o_dim,
@@ -52,6 +61,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
@@ -89,13 +99,16 @@ def _extend_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
-        k, v = load_kv_tiles(
-            key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt_seq, tokens, token_mask, kv_head,
-            dims, dim_mask, stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim, stride_vc_block,
-            stride_vc_slot, stride_vc_head, stride_vc_dim, BLOCK_SIZE, DOT_FP32,
+        k, v, k_scale, v_scale = load_kv_tiles(
+            key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, block_tables_ptr + seq * stride_bt_seq,
+            tokens, token_mask, kv_head, dims, dim_mask, stride_kc_block, stride_kc_slot, stride_kc_head,
+            stride_kc_dim, stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim, stride_ks_block,
+            stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head, BLOCK_SIZE, QUANTIZED,
         )  # fmt: skip
         visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
-        row_max, row_sum, acc = online_softmax_step(q, k, v, visible, scale, row_max, row_sum, acc, DOT_PRECISION)
+        row_max, row_sum, acc = online_softmax_step(
+            q, k, v, k_scale, v_scale, visible, scale, row_max, row_sum, acc, QUANTIZED, DOT_PRECISION
+        )
 
     out = acc / row_sum[:, None]
     tl.store(
@@ -107,8 +120,7 @@ def _extend_kernel(
 
 def paged_extend_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -125,11 +137,14 @@ def paged_extend_attention(
     if num_seqs == 0:
         return
     num_heads, head_dim = query.shape[1:]
-    group_size = num_heads // key_cache.shape[2]
+    group_size = num_heads // cache.num_kv_heads
+    key_scale, value_scale, key_scale_strides, value_scale_strides = scale_args(cache)
     _extend_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, block_m))](
         query,
-        key_cache,
-        value_cache,
+        cache.key,
+        cache.value,
+        key_scale,
+        value_scale,
         out,
         block_tables,
         seq_lens,
@@ -137,16 +152,19 @@ def paged_extend_attention(
         first_seq,
         scale,
         *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
+        *cache.key.stride(),
+        *cache.value.stride(),
+        *key_scale_strides,
+        *value_scale_strides,
         *out.stride(),
         block_tables.stride(0),
         GROUP_SIZE=group_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=padded(head_dim),
-        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_SIZE=cache.block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_FP32=dot_in_fp32(key_cache.dtype),
-        DOT_PRECISION=dot_precision(key_cache.dtype),
+        DOT_FP32=dot_in_fp32(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
+        QUANTIZED=cache.quantized,
     )

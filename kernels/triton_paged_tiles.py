@@ -1,5 +1,5 @@
-"""Triton device functions shared by the paged attention kernels: read a tile of keys or values
-through a block table, and fold one tile into an online softmax."""
+"""Triton device functions shared by the paged attention kernels: read a tile of keys and values
+(and their int8 scales) through a block table, and fold one tile into an online softmax."""
 
 import triton
 import triton.language as tl
@@ -9,6 +9,8 @@ import triton.language as tl
 def load_kv_tiles(
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
     block_table_ptr,
     tokens,
     token_mask,
@@ -23,11 +25,18 @@ def load_kv_tiles(
     stride_vc_slot,
     stride_vc_head,
     stride_vc_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
     BLOCK_SIZE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Keys and values [tokens, dims] of one KV head at positions `tokens` of one sequence, read
-    through its block table; masked-off elements (past the context, padding dims) read 0."""
+    through its block table (masked-off elements read 0), and for an int8 cache their scales
+    [tokens] (1 otherwise)."""
     block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
     offsets = tokens % BLOCK_SIZE
     mask = token_mask[:, None] & dim_mask[None, :]
@@ -49,23 +58,52 @@ def load_kv_tiles(
         mask=mask,
         other=0.0,
     )
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
+    if QUANTIZED:
+        k_scale = tl.load(
+            key_scale_ptr + block_ids * stride_ks_block + offsets * stride_ks_slot + kv_head * stride_ks_head,
+            mask=token_mask,
+            other=0.0,
+        )
+        v_scale = tl.load(
+            value_scale_ptr + block_ids * stride_vs_block + offsets * stride_vs_slot + kv_head * stride_vs_head,
+            mask=token_mask,
+            other=0.0,
+        )
+    else:
+        k_scale = tl.full(tokens.shape, 1.0, tl.float32)
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, scale, row_max, row_sum, acc, DOT_PRECISION: tl.constexpr):
-    """Add the keys/values of one tile to running (max, sum, weighted values) of each query row.
+def online_softmax_step(
+    q,
+    k,
+    v,
+    k_scale,
+    v_scale,
+    visible,
+    scale,
+    row_max,
+    row_sum,
+    acc,
+    QUANTIZED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Add one tile of keys/values to the running (max, sum, weighted values) of each query row.
 
-    A row's running max must be finite once any of its keys was visible; rows with no visible key in
-    this tile keep their state (their terms are exp(-inf) = 0)."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    K and V are multiplied in q's dtype (int8 converts exactly to 16-bit floats); an int8 cache's K
+    scales multiply the scores and its V scales the probabilities, so no tile is dequantized. Rows
+    with no visible key in this tile keep their state (their terms are exp(-inf) = 0)."""
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale
+    if QUANTIZED:
+        scores = scores * k_scale[None, :]
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     rescale = tl.exp(row_max - new_max)
     probs = tl.exp(scores - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if QUANTIZED:
+        probs = probs * v_scale[None, :]
+    acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return new_max, row_sum, acc

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend, store_kv
+from kernels import AttentionMetadata, AttentionShape, PagedKV, paged_attention, select_attention_backend, store_kv
 from kernels.triton_backend import num_decode_segments
 from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kernels.triton_extend_attention import paged_extend_attention
@@ -31,14 +31,28 @@ GQA_SHAPES = [(4, 4), (8, 2), (16, 2), (6, 2)]  # (query heads, KV heads): ratio
 @dataclass
 class PagedBatch:
     query: torch.Tensor  # [num_tokens, num_heads, head_dim], not contiguous
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
+    cache: PagedKV
     metadata: AttentionMetadata
 
 
-def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed=0, head_dim=HEAD_DIM) -> PagedBatch:
+def empty_cache(shape: tuple, dtype: torch.dtype, int8: bool) -> PagedKV:
+    """A cache whose every slot holds NaN (for int8 data, which cannot: NaN scales)."""
+    if not int8:
+        return PagedKV(torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+    data = [torch.full(shape, -128, dtype=torch.int8) for _ in range(2)]
+    return PagedKV(*data, *(torch.full(shape[:-1], float("nan")) for _ in range(2)))
+
+
+def on_device(cache: PagedKV) -> PagedKV:
+    tensors = (cache.key, cache.value, cache.key_scale, cache.value_scale)
+    return PagedKV(*(None if t is None else t.to(DEVICE) for t in tensors))
+
+
+def make_batch(
+    query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed=0, head_dim=HEAD_DIM, int8=False
+) -> PagedBatch:
     """Random keys and values of every context position in shuffled blocks; block 0 and spare blocks
-    are never used and hold NaN, and block tables are padded with block 0."""
+    are never used and hold NaN, and block tables are padded with block 0. `int8`: an int8 cache."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
     num_blocks = 1 + sum(blocks_per_seq) + 3
@@ -50,15 +64,13 @@ def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed=0, hea
     width = max(blocks_per_seq)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
-    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    cache = empty_cache((num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), dtype, int8)
     for table, seq_len in zip(tables, seq_lens, strict=True):
         positions = torch.arange(seq_len)
         slots = torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
         keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
         values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
-        store_kv(keys, values, key_cache, value_cache, slots)
+        store_kv(keys, values, cache, slots)
 
     num_tokens = sum(query_lens)
     # A slice of a wider tensor, as the model's query is a view: strides are not those of a contiguous tensor.
@@ -73,13 +85,15 @@ def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed=0, hea
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),
     )
-    return PagedBatch(wide[:, 1 : num_heads + 1].to(DEVICE), key_cache.to(DEVICE), value_cache.to(DEVICE), metadata)
+    return PagedBatch(wide[:, 1 : num_heads + 1].to(DEVICE), on_device(cache), metadata)
 
 
 def reference(batch: PagedBatch) -> torch.Tensor:
     """The torch path on fp32 copies: the answer 16-bit kernels are held to within their tolerance."""
-    query, key_cache, value_cache = batch.query.float(), batch.key_cache.float(), batch.value_cache.float()
-    return paged_attention(query, key_cache, value_cache, batch.metadata, scale=HEAD_DIM**-0.5)
+    cache = batch.cache
+    if not cache.quantized:
+        cache = PagedKV(cache.key.float(), cache.value.float())
+    return paged_attention(batch.query.float(), cache, batch.metadata, scale=HEAD_DIM**-0.5)
 
 
 def poisoned_like(query: torch.Tensor) -> torch.Tensor:
@@ -92,8 +106,8 @@ def decode(batch: PagedBatch, num_segments: int, block_n: int = 16) -> torch.Ten
     out = poisoned_like(batch.query)
     meta = batch.metadata
     paged_decode_attention(
-        batch.query, batch.key_cache, batch.value_cache, meta.block_tables, meta.seq_lens, HEAD_DIM**-0.5,
-        num_segments, workspace, out, block_n=block_n,
+        batch.query, batch.cache, meta.block_tables, meta.seq_lens, HEAD_DIM**-0.5, num_segments, workspace, out,
+        block_n=block_n,
     )  # fmt: skip
     return out
 
@@ -102,9 +116,8 @@ def extend(batch: PagedBatch, first_seq: int = 0, block_m: int = 16, block_n: in
     out = poisoned_like(batch.query)
     meta = batch.metadata
     paged_extend_attention(
-        batch.query, batch.key_cache, batch.value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        HEAD_DIM**-0.5, first_seq, meta.num_seqs - first_seq, meta.max_query_len, out, block_m=block_m,
-        block_n=block_n,
+        batch.query, batch.cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, HEAD_DIM**-0.5,
+        first_seq, meta.num_seqs - first_seq, meta.max_query_len, out, block_m=block_m, block_n=block_n,
     )  # fmt: skip
     return out
 
@@ -123,16 +136,15 @@ def test_store_writes_each_token_to_its_slot_and_skips_negative_slots(dtype):
     key = wide_key[..., 4 : HEAD_DIM + 4]  # not contiguous
     value = torch.randn(len(slot_mapping), num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
-    expected_k = torch.full(shape, float("nan"), dtype=dtype)
-    expected_v = expected_k.clone()
-    store_kv(key, value, expected_k, expected_v, slot_mapping)
+    expected = empty_cache(shape, dtype, int8=False)
+    store_kv(key, value, expected, slot_mapping)
 
-    actual_k, actual_v = (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
-    triton_store_kv(key.to(DEVICE), value.to(DEVICE), actual_k, actual_v, slot_mapping.to(DEVICE))
+    actual = on_device(empty_cache(shape, dtype, int8=False))
+    triton_store_kv(key.to(DEVICE), value.to(DEVICE), actual, slot_mapping.to(DEVICE))
 
-    torch.testing.assert_close(actual_k.cpu(), expected_k, equal_nan=True, atol=0, rtol=0)
-    torch.testing.assert_close(actual_v.cpu(), expected_v, equal_nan=True, atol=0, rtol=0)
-    assert actual_k.isnan().sum() == expected_k.numel() - 5 * num_kv_heads * HEAD_DIM  # only 5 slots written
+    torch.testing.assert_close(actual.key.cpu(), expected.key, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(actual.value.cpu(), expected.value, equal_nan=True, atol=0, rtol=0)
+    assert actual.key.isnan().sum() == expected.key.numel() - 5 * num_kv_heads * HEAD_DIM  # only 5 slots written
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA_SHAPES)
@@ -197,9 +209,9 @@ def test_extend_leaves_rows_of_earlier_sequences_alone():
 def test_non_power_of_two_head_dim():
     batch = make_batch([1, 1, 6], [9, 30, 14], 4, 2, torch.float32, seed=6, head_dim=24)
     head_dim_scale = 24**-0.5
-    expected = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, head_dim_scale)
+    expected = paged_attention(batch.query, batch.cache, batch.metadata, head_dim_scale)
     backend = select_attention_backend("triton", DEVICE, AttentionShape(8, 4, 24))
-    actual = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, head_dim_scale)
+    actual = backend.paged_attention(batch.query, batch.cache, batch.metadata, head_dim_scale)
     assert_close(actual, expected, torch.float32)
 
 
@@ -210,8 +222,17 @@ def test_backend_runs_decodes_and_extends_of_one_step():
     batch = make_batch(query_lens, seq_lens, 8, 2, torch.float32, seed=7)
     assert batch.metadata.num_decodes == 3
     backend = select_attention_backend("triton", DEVICE, AttentionShape(8, 8, HEAD_DIM))
-    actual = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, HEAD_DIM**-0.5)
+    actual = backend.paged_attention(batch.query, batch.cache, batch.metadata, HEAD_DIM**-0.5)
     assert_close(actual, reference(batch), torch.float32)
+
+
+def test_metadata_counts_leading_decodes():
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(5, dtype=torch.int64), query_start_loc=torch.tensor([0, 1, 2, 4, 5]),
+        seq_lens=torch.tensor([3, 4, 6, 2]), block_tables=torch.zeros(4, 1, dtype=torch.int32),
+        query_lens_cpu=[1, 1, 2, 1], seq_lens_cpu=[3, 4, 6, 2],
+    )  # fmt: skip
+    assert (metadata.num_decodes, metadata.max_query_len, metadata.max_seq_len) == (2, 2, 6)
 
 
 def test_segment_count_fills_the_gpu_without_tiny_segments():

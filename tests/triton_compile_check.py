@@ -17,6 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.paged_kv import INT8_MAX
 from kernels.triton_common import padded
 from kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
 from kernels.triton_extend_attention import _extend_kernel
@@ -25,7 +26,7 @@ from kernels.triton_store_kv import _store_kv_kernel
 INT32_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")
 
 
-def signature(kernel, data_type: str, constexprs: dict) -> dict[str, str]:
+def signature(kernel, data_type: str, int8_cache: bool, constexprs: dict) -> dict[str, str]:
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -34,8 +35,10 @@ def signature(kernel, data_type: str, constexprs: dict) -> dict[str, str]:
             types[name] = "*i64"
         elif name in INT32_POINTERS:
             types[name] = "*i32"
-        elif name.startswith("partial_"):
+        elif name.startswith("partial_") or name.endswith("_scale_ptr"):
             types[name] = "*fp32"
+        elif name in ("key_cache_ptr", "value_cache_ptr"):
+            types[name] = "*i8" if int8_cache else f"*{data_type}"
         elif name.endswith("_ptr"):
             types[name] = f"*{data_type}"
         elif name == "scale":
@@ -45,13 +48,19 @@ def signature(kernel, data_type: str, constexprs: dict) -> dict[str, str]:
     return types
 
 
-def kernel_configs(data_type: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16):
+def kernel_configs(
+    data_type: str, int8_cache: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16
+):
     """The constexprs the wrappers pass on CUDA (see kernels/triton_common.py for the dot settings)."""
     group = num_heads // num_kv_heads
-    dot = {"DOT_FP32": data_type == "fp32", "DOT_PRECISION": "ieee" if data_type == "fp32" else "tf32"}
+    dot = {
+        "DOT_FP32": data_type == "fp32", "DOT_PRECISION": "ieee" if data_type == "fp32" else "tf32",
+        "QUANTIZED": int8_cache,
+    }  # fmt: skip
     yield _store_kv_kernel, {
         "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim, "KV_HEADS_PAD": triton.next_power_of_2(num_kv_heads),
-        "HEAD_DIM_PAD": padded(head_dim, minimum=1), "BLOCK_SIZE": block_size,
+        "HEAD_DIM_PAD": padded(head_dim, minimum=1), "BLOCK_SIZE": block_size, "QUANTIZED": int8_cache,
+        "INT8_LIMIT": INT8_MAX,
     }  # fmt: skip
     yield _decode_segment_kernel, {
         "GROUP_SIZE": group, "GROUP_PAD": padded(group), "HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded(head_dim),
@@ -71,20 +80,21 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     target = GPUTarget("cuda", args.arch, 32)
-    # Qwen3-0.6B, Llama-3-8B and a head_dim of 64 with GQA 4.
-    for shape in [(16, 8, 128), (32, 8, 128), (16, 4, 64)]:
-        for data_type in ("bf16", "fp16", "fp32"):
-            for kernel, constexprs in kernel_configs(data_type, *shape):
+    # Qwen3-0.6B (GQA 2, head_dim 128) and GQA 4 with head_dim 64.
+    for shape in [(16, 8, 128), (16, 4, 64)]:
+        for data_type, int8_cache in [("bf16", False), ("fp16", False), ("fp32", False), ("bf16", True)]:
+            for kernel, constexprs in kernel_configs(data_type, int8_cache, *shape):
                 start_s = time.perf_counter()
                 source = ASTSource(
                     fn=kernel,
-                    signature=signature(kernel, data_type, constexprs),
+                    signature=signature(kernel, data_type, int8_cache, constexprs),
                     constexprs={(kernel.arg_names.index(name),): value for name, value in constexprs.items()},
                 )
                 compiled = triton.compile(source, target=target)
                 assert compiled.asm["cubin"], kernel.__name__
                 elapsed_s = time.perf_counter() - start_s
-                print(f"sm_{args.arch} {data_type} heads {shape}: {kernel.__name__} compiled in {elapsed_s:.1f} s")
+                cache = "int8" if int8_cache else data_type
+                print(f"sm_{args.arch} {data_type}, {cache} cache, heads {shape}: {kernel.__name__} {elapsed_s:.1f} s")
     print(f"all kernels compile with triton {triton.__version__}")
 
 

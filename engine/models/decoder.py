@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import RopeConfig, RotaryEmbedding
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata, PagedKV
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = config.head_dim**-0.5
 
-    def forward(self, hidden, positions, key_cache, value_cache, metadata, backend: AttentionBackend):
+    def forward(self, hidden, positions, kv_cache: PagedKV, metadata, backend: AttentionBackend):
         num_tokens = hidden.shape[0]
         query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -79,8 +79,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.rotary(positions, query, key)
-        backend.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-        out = backend.paged_attention(query, key_cache, value_cache, metadata, self.scale)
+        backend.store_kv(key, value, kv_cache, metadata.slot_mapping)
+        out = backend.paged_attention(query, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -103,10 +103,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, positions, key_cache, value_cache, metadata, backend):
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, key_cache, value_cache, metadata, backend
-        )
+    def forward(self, hidden, positions, kv_cache, metadata, backend):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -133,15 +131,14 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        key_caches: list[torch.Tensor],
-        value_caches: list[torch.Tensor],
+        kv_caches: list[PagedKV],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of the packed tokens after the final norm."""
         hidden = self.model.embed_tokens(input_ids)
-        for layer, key_cache, value_cache in zip(self.model.layers, key_caches, value_caches, strict=True):
-            hidden = layer(hidden, positions, key_cache, value_cache, metadata, backend)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, kv_cache, metadata, backend)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
