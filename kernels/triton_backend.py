@@ -12,8 +12,9 @@ from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attent
 from kernels.triton_extend_attention import paged_extend_attention
 from kernels.triton_store_kv import store_kv
 
+# Split-KV launch settings: starting points, not yet measured on a GPU (benchmarks/gpu_check.sh is
+# where to tune them). Shorter segments add partial-result traffic and merge work for little gain.
 MAX_DECODE_SEGMENTS = 16
-# A segment shorter than this costs more in partial-result traffic than its parallelism gains.
 MIN_SEGMENT_TOKENS = 256
 DECODE_BLOCK_N = 64
 
@@ -39,7 +40,7 @@ class TritonAttentionBackend:
         workspace = DecodeWorkspace.allocate(
             shape.max_num_seqs, shape.num_heads, shape.head_dim, MAX_DECODE_SEGMENTS, device
         )
-        # Two programs per multiprocessor keep a GPU busy; the interpreter runs programs one by one.
+        # Aim for about two programs per multiprocessor; the interpreter runs programs one by one.
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         return cls(workspace=workspace, target_programs=2 * num_sms)
 

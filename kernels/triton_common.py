@@ -1,4 +1,4 @@
-"""Choices shared by the Triton kernels: how tensor-core products are fed, and launch sizes."""
+"""Choices shared by the Triton kernel wrappers: how `tl.dot` is fed, tile extents, int8 scale arguments."""
 
 import os
 
