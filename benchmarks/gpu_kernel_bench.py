@@ -4,7 +4,8 @@ Decode: for each (batch, context, heads) the Triton split-KV decode kernel reads
 value once; its achieved bandwidth (bytes of K and V read / median time) is printed beside the
 device-to-device copy bandwidth (bytes read + written / time) and beside PyTorch SDPA on the same
 KV made contiguous (the non-paged bound; the query heads of a KV head become SDPA's query rows),
-and the same kernel's time over an int8 cache (int8_speedup = 16-bit time / int8 time).
+and the same kernel's time over an int8 cache (int8_speedup = 16-bit time / int8 time). Then the
+design notes' layout claims: K/V interleaved vs separate, head_dim 64 padded to 128 or not.
 Prefill/extend: the Triton extend kernel against causal SDPA on contiguous, head-expanded K/V.
 
     python benchmarks/gpu_kernel_bench.py                 # the sweep of BENCHMARKS.md (CUDA)
@@ -152,6 +153,39 @@ def bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, d
     }
 
 
+def bench_layouts(batch, context, num_heads, num_kv_heads, dtype, device, copy_gbs) -> list[dict]:
+    """The design notes' claims, measured: K and V interleaved in one tensor ([..., kv_heads, 2, D]) vs
+    separate, and head_dim 64 stored as is vs zero-padded to 128. Bandwidth counts the useful bytes
+    (head_dim 64's K and V) for both head_dim rows, so padding only wins if it is more than 2x faster."""
+    metadata = paged_batch(batch, context, 1, num_kv_heads, 64, dtype, device)[2]
+    rows = []
+    for layout, head_dim, stored_dim in [
+        ("separate", 128, 128), ("interleaved", 128, 128), ("separate", 64, 64), ("separate", 64, 128),
+    ]:  # fmt: skip
+        elapsed_ms = _time_layout(metadata, layout, head_dim, stored_dim, num_heads, num_kv_heads, dtype, device)
+        useful_bytes = 2 * batch * context * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        gbs = useful_bytes / elapsed_ms / 1e6
+        rows.append({
+            "layout": layout, "head_dim": head_dim, "stored_dim": stored_dim, "batch": batch, "context": context,
+            "ms": elapsed_ms, "useful_gbs": gbs, "of_copy": gbs / copy_gbs,
+        })  # fmt: skip
+    return rows
+
+
+def _time_layout(metadata, layout, head_dim, stored_dim, num_heads, num_kv_heads, dtype, device) -> float:
+    batch = metadata.num_seqs
+    shape = (metadata.block_tables.numel(), BLOCK_SIZE, num_kv_heads)
+    if layout == "interleaved":
+        kv = torch.randn(*shape, 2, stored_dim, dtype=dtype, device=device)
+        cache = PagedKV(kv[..., 0, :], kv[..., 1, :])
+    else:
+        cache = PagedKV(*(torch.randn(*shape, stored_dim, dtype=dtype, device=device) for _ in range(2)))
+    query = torch.zeros(batch, num_heads, stored_dim, dtype=dtype, device=device)
+    query[..., :head_dim] = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
+    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, stored_dim))
+    return time_ms(lambda: backend.paged_attention(query, cache, metadata, head_dim**-0.5))
+
+
 def print_table(rows: list[dict]) -> None:
     columns = list(rows[0])
     print(" | ".join(columns))
@@ -214,8 +248,14 @@ def main() -> None:
     print("\npaged prefill/extend attention vs causal SDPA on contiguous K/V")
     print_table(extend_rows)
 
+    layout_batch, layout_context = (2, 40) if args.smoke else (32, 8192)
+    layout_rows = bench_layouts(layout_batch, layout_context, *head_shapes[0][:2], dtype, device, copy_gbs)
+    print("\ndecode: K/V interleaved vs separate; head_dim 64 as is vs padded to 128")
+    print_table(layout_rows)
+
     if args.json:
-        args.json.write_text(json.dumps({"copy_gbs": copy_gbs, "decode": decode_rows, "extend": extend_rows}, indent=1))
+        results = {"copy_gbs": copy_gbs, "decode": decode_rows, "extend": extend_rows, "layouts": layout_rows}
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
