@@ -4,6 +4,11 @@ The HTTP event loop never runs a model step. Requests and aborts go to the engin
 through a command queue; after each step the thread hands every request's newest snapshot to
 its stream. A stream keeps only the newest snapshot (each one holds everything so far), so a
 slow reader costs no memory and never holds up the batch.
+
+A failed model step fails the requests in flight and makes the engine unhealthy until a step
+succeeds (or, with no traffic to prove it, for `unhealthy_after_failure_s`); after
+`max_consecutive_step_failures` failed steps in a row the loop stops for good (`failed`), and
+every request in flight or queued gets an error, so no client waits on a dead engine.
 """
 
 import asyncio
@@ -32,6 +37,10 @@ class EngineUnavailableError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A model step failed while this request was in flight."""
+
+
+# What clients are told: the exception itself (which may name files and lines) goes to the log only.
+STEP_FAILED_MESSAGE = "the model step failed while this request was in flight; the server log has the details"
 
 
 class RequestStream:
@@ -93,6 +102,8 @@ class AsyncLLMEngine:
         max_queued_requests: int,
         stall_timeout_s: float = 60.0,
         on_stats: Callable[[StepStats], None] | None = None,
+        max_consecutive_step_failures: int = 3,
+        unhealthy_after_failure_s: float = 30.0,
     ) -> None:
         """Builds the engine with `make_engine` on the engine thread and returns once it is ready.
 
@@ -103,6 +114,9 @@ class AsyncLLMEngine:
         """
         self.max_queued_requests = max_queued_requests
         self.stall_timeout_s = stall_timeout_s
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.unhealthy_after_failure_s = unhealthy_after_failure_s
+        self.failed = False  # set when the loop stopped after too many failed steps in a row
         self._on_stats = on_stats
         self._stats = StatsTracker()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -111,7 +125,9 @@ class AsyncLLMEngine:
         self._num_in_flight = 0  # submitted and not yet finished, aborted or failed
         self._num_running = 0  # published by the engine thread after each step
         self._last_progress_s = time.monotonic()
-        self._accepting = True
+        self._num_failed_steps_in_a_row = 0
+        self._last_failure_s = 0.0
+        self._refusal: str | None = None  # why new requests are refused; None while accepting
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="kvserve-engine", daemon=True)
@@ -129,18 +145,24 @@ class AsyncLLMEngine:
         return max(0, self._num_in_flight - self._num_running)
 
     def is_healthy(self) -> bool:
-        """The engine thread is alive and, if it has work, finished a step recently."""
+        """The engine thread is alive, its last step did not fail (recently), and, if it has work, it finished
+        a step recently."""
         if not self._thread.is_alive():
             return False
-        stalled_s = time.monotonic() - self._last_progress_s
-        return self._num_in_flight == 0 or stalled_s < self.stall_timeout_s
+        now_s = time.monotonic()
+        if self._num_failed_steps_in_a_row and now_s - self._last_failure_s < self.unhealthy_after_failure_s:
+            return False
+        return self._num_in_flight == 0 or now_s - self._last_progress_s < self.stall_timeout_s
 
     def stop_accepting(self) -> None:
-        self._accepting = False
+        with self._lock:
+            self._refusal = "the server is shutting down"
 
     def shutdown(self) -> None:
-        self._accepting = False
-        self._commands.put(None)
+        """Fail whatever is still in flight and stop the engine thread."""
+        with self._lock:  # with `submit` under the same lock, no request is queued behind the stop command
+            self._refusal = "the server is shutting down"
+            self._commands.put(None)
         self._thread.join(timeout=10)
 
     def submit(
@@ -151,15 +173,15 @@ class AsyncLLMEngine:
         Raises `InvalidRequestError`, `EngineOverloadedError` or `EngineUnavailableError` before
         anything is queued.
         """
-        if not self._accepting:
-            raise EngineUnavailableError("the server is shutting down")
         prompt_token_ids = self.engine.check_request(prompt, params)
+        stream = RequestStream(loop)
         with self._lock:
+            if self._refusal is not None:
+                raise EngineUnavailableError(self._refusal)
             if self.num_waiting >= self.max_queued_requests:
                 raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
             self._num_in_flight += 1
-        stream = RequestStream(loop)
-        self._commands.put(_Add(request_id, prompt_token_ids, params, stream, time.monotonic()))
+            self._commands.put(_Add(request_id, prompt_token_ids, params, stream, time.monotonic()))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -178,11 +200,13 @@ class AsyncLLMEngine:
             start_s = time.monotonic()
             try:
                 outputs = self.engine.step()
-            except Exception as error:  # a failed step must not kill the loop or strand clients
+            except Exception:  # a failed step must not kill the loop or strand clients
                 logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(EngineStepError(f"engine step failed: {error}"))
-                self._report_stats()
+                if self._step_failed():
+                    return
                 continue
+            if not self.engine.scheduler.last_output.is_empty:  # only a step that ran the model shows it works
+                self._num_failed_steps_in_a_row = 0
             self._last_progress_s = time.monotonic()
             self._num_running = len(self.engine.scheduler.running)
             self._stats.stepped(self.engine.scheduler.last_output, outputs, start_s, self._last_progress_s)
@@ -198,7 +222,7 @@ class AsyncLLMEngine:
             command = self._commands.get(block=block)
             while True:
                 if command is None:
-                    self._fail_all(EngineUnavailableError("the engine shut down"))
+                    self._stop(EngineUnavailableError("the server shut down before this request finished"))
                     return False
                 self._apply(command)
                 command = self._commands.get_nowait()
@@ -230,6 +254,34 @@ class AsyncLLMEngine:
             with self._lock:
                 self._num_in_flight -= 1
         return stream
+
+    def _step_failed(self) -> bool:
+        """Fail the requests in flight; True if that was one failed step too many and the loop must end."""
+        self._num_failed_steps_in_a_row += 1
+        self._last_failure_s = time.monotonic()
+        self._fail_all(EngineStepError(STEP_FAILED_MESSAGE))
+        self._report_stats()
+        if self._num_failed_steps_in_a_row < self.max_consecutive_step_failures:
+            return False
+        logger.error("%d model steps failed in a row; the engine stops", self._num_failed_steps_in_a_row)
+        self._stop(EngineUnavailableError(f"the engine stopped after {self._num_failed_steps_in_a_row} failed steps"))
+        self.failed = True
+        return True
+
+    def _stop(self, error: Exception) -> None:
+        """Refuse new requests, then fail every request in flight and every one still queued."""
+        with self._lock:
+            self._refusal = str(error)
+        self._fail_all(error)
+        while True:  # after the refusal no request is queued any more, so this ends
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                with self._lock:
+                    self._num_in_flight -= 1
+                command.stream.fail(error)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._streams):

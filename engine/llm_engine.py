@@ -12,7 +12,7 @@ from engine.default_model import RANDOM_WEIGHTS_NOTICE, default_model_dir
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.kv_sizing import kv_cache_budget_bytes
-from engine.model_loader import checkpoint_dtype, load_model
+from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampler import SampledToken, SamplingRow, sample
@@ -56,6 +56,7 @@ class LLMEngine:
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         if config.model is None:
             logger.warning(RANDOM_WEIGHTS_NOTICE)
+        check_checkpoint_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.dtype = config.torch_dtype(self.device, checkpoint_dtype(self.model_dir))

@@ -1,4 +1,8 @@
-"""Build a model from a HF checkpoint directory: config.json plus safetensors (single or sharded)."""
+"""Build a model from a HF checkpoint directory: config.json plus safetensors (single or sharded).
+
+Only local directories and safetensors files are read: pickle checkpoints (`*.bin`, `*.pt`) can run
+code when unpickled, and `trust_remote_code` is never set, so a checkpoint cannot bring its own code.
+"""
 
 import json
 from pathlib import Path
@@ -11,10 +15,22 @@ from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from
 
 # Buffers some checkpoints carry that kvserve recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Weight files in pickle formats: named when refused, never opened.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 
 
 class CheckpointError(ValueError):
-    """The checkpoint's files do not match the model its config describes."""
+    """The checkpoint directory is missing, or its files do not match the model its config describes."""
+
+
+def check_checkpoint_dir(model_dir: Path) -> None:
+    """Refuse what is not a local checkpoint directory before any loader looks at it (and tries a hub)."""
+    if not model_dir.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {model_dir} (kvserve loads local directories only)")
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"no config.json in {model_dir}")
+    if "auto_map" in json.loads((model_dir / "config.json").read_text()):
+        raise CheckpointError(f"{model_dir}/config.json asks for the checkpoint's own code (auto_map): never run")
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
@@ -26,7 +42,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
 
 
 def load_decoder_config(model_dir: Path) -> DecoderConfig:
-    return decoder_config_from_hf(AutoConfig.from_pretrained(str(model_dir)))
+    return decoder_config_from_hf(AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False))
 
 
 def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
@@ -44,7 +60,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.exists():
         return [single]
-    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    pickles = sorted(path.name for path in model_dir.iterdir() if path.suffix in _PICKLE_SUFFIXES)
+    refused = f"; {', '.join(pickles)} not loaded: kvserve reads safetensors only, never pickle" if pickles else ""
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}{refused}")
 
 
 def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:

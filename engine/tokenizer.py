@@ -7,7 +7,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

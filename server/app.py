@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, auth, body-size limit, draining, and the error handlers."""
+"""The FastAPI application: routes, auth, request limits, draining, and the error handlers."""
 
 import hmac
 from importlib.metadata import PackageNotFoundError, version
@@ -16,13 +16,46 @@ from server.errors import HANDLED_ERRORS, APIError, handle_exception
 from server.metrics import CountHTTPRequests
 from server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
     now_s,
 )
+from server.request_limits import BodySizeLimit, HeaderLimits
+
+# Documented error statuses (OpenAPI), each in the OpenAI error shape. "4XX" covers the rest (405, 413, 431) and
+# keeps FastAPI from documenting a 422 that this server never sends (validation errors are 400s).
+_ERROR_DESCRIPTIONS = {
+    400: "invalid request: a field out of range, a bad prompt or messages, malformed JSON",
+    401: "missing or wrong API key (when the server has one)",
+    404: "unknown model",
+    429: "too many requests waiting; retry after `Retry-After` seconds",
+    500: "a model step failed while the request was in flight",
+    503: "the server is shutting down or its engine has stopped",
+    "4XX": "any other client error (405, 413 body too large, 431 headers too large)",
+}
+
+
+_TEXT = {"type": "string"}
+
+
+def _error_responses(*statuses: int) -> dict:
+    documented = (*statuses, 500, 503, "4XX")
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in documented}
+
+
+def _generation_responses(response_model: type) -> dict:
+    streamed = {"text/event-stream": {"schema": {**_TEXT, "description": "SSE `data:` events, then [DONE]"}}}
+    return {200: {"model": response_model, "content": streamed}, **_error_responses(400, 401, 404, 429)}
 
 
 def kvserve_version() -> str:
@@ -30,42 +63,6 @@ def kvserve_version() -> str:
         return version("kvserve")
     except PackageNotFoundError:
         return "unknown"
-
-
-class BodySizeLimit:
-    """Refuses bodies over `max_bytes` with 413 before reading them whole.
-
-    A declared Content-Length is checked up front; a chunked body is read up to the limit, then
-    handed on (bodies under the limit are small enough to hold).
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            if not declared.isdigit() or int(declared) > self.max_bytes:
-                return await self._too_large(scope, receive, send)
-            return await self.app(scope, receive, send)
-        chunks, num_bytes, more_body = [], 0, True
-        while more_body:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            chunks.append(message.get("body", b""))
-            num_bytes += len(chunks[-1])
-            more_body = message.get("more_body", False)
-            if num_bytes > self.max_bytes:
-                return await self._too_large(scope, receive, send)
-        return await self.app(scope, _replay([{"type": "http.request", "body": b"".join(chunks)}], receive), send)
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"request body is larger than {self.max_bytes} bytes", type="request_too_large")
-        await error.response()(scope, receive, send)
 
 
 class RefuseWhileDraining:
@@ -86,15 +83,6 @@ class RefuseWhileDraining:
         return await self.app(scope, receive, send)
 
 
-def _replay(messages: list[dict], then: Receive | None = None) -> Receive:
-    async def receive() -> dict:
-        if messages:
-            return messages.pop(0)
-        return await then() if then is not None else {"type": "http.disconnect"}
-
-    return receive
-
-
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM inference server")
     app.state.ctx = ctx
@@ -107,6 +95,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=ctx.settings.cors_allow_origins, allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip
     app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
+    app.add_middleware(HeaderLimits)
     app.add_middleware(RefuseWhileDraining, state=app.state)
     app.add_middleware(CountHTTPRequests, metrics=ctx.metrics, routes=app.routes)  # last added runs first
 
@@ -121,34 +110,41 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     authorized = [Depends(require_api_key)]
 
-    @app.get("/health", summary="200 while the engine loop is alive and making progress, else 503")
+    @app.get(
+        "/health", summary="200 while the engine loop is alive and making progress, else 503",
+        response_model=HealthResponse, responses={503: {"model": HealthResponse, "description": "unhealthy"}},
+    )  # fmt: skip
     async def health():
         if app.state.draining or not ctx.engine.is_healthy():
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics", summary="Prometheus metrics (text format); open like /health, so scrapers need no key")
+    @app.get(
+        "/metrics", summary="Prometheus metrics (text format); open like /health, so scrapers need no key",
+        response_class=Response, responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {"schema": _TEXT}}}},
+    )  # fmt: skip
     async def metrics():
         # The classic text format (0.0.4), which every Prometheus reads; prometheus-client's newest is 1.0.0.
         return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse, responses=_error_responses())
     async def get_version():
         return {"version": kvserve_version()}
 
-    @app.get("/v1/models", dependencies=authorized, response_model=ModelList)
+    @app.get("/v1/models", dependencies=authorized, response_model=ModelList, responses=_error_responses(401))
     async def list_models():
         return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
 
-    @app.post("/v1/completions", dependencies=authorized)
+    @app.post("/v1/completions", dependencies=authorized, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(body, request, ctx)
 
-    @app.post("/v1/chat/completions", dependencies=authorized)
+    @app.post("/v1/chat/completions", dependencies=authorized, responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
 
-    @app.post("/tokenize", dependencies=authorized)
+    @app.post("/tokenize", dependencies=authorized, response_model=TokenizeResponse,
+              responses=_error_responses(400, 401, 404))  # fmt: skip
     async def tokenize(body: TokenizeRequest):
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -159,7 +155,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
 
-    @app.post("/detokenize", dependencies=authorized)
+    @app.post("/detokenize", dependencies=authorized, response_model=DetokenizeResponse,
+              responses=_error_responses(400, 401, 404))  # fmt: skip
     async def detokenize(body: DetokenizeRequest):
         ctx.check_model(body.model)
         ctx.engine.engine.tokenize_prompt(body.tokens)  # range-checks the ids

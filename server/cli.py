@@ -13,8 +13,12 @@ import types
 import typing
 
 from engine import LLM, InvalidRequestError, SamplingParams
+from engine.model_loader import CheckpointError
+from engine.models import UnsupportedModelError
 from server.settings import ServerSettings, SettingsError, load_settings
 
+# A checkpoint kvserve cannot load: one line on stderr and exit status 2, as for bad settings, not a traceback.
+MODEL_ERRORS = (CheckpointError, UnsupportedModelError)
 DEMO_PROMPTS = [
     "Once upon a time there was a small town by a river.",
     "The cache is cut into blocks of sixteen tokens.",
@@ -73,19 +77,26 @@ def _serve(args: argparse.Namespace) -> int:
     except (SettingsError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    serve(settings)
-    return 0
+    try:
+        return serve(settings)
+    except MODEL_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 def _generate(args: argparse.Namespace) -> int:
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        seed=args.seed,
-    )
+    try:
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            seed=args.seed,
+        )
+    except MODEL_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = args.prompt or DEMO_PROMPTS
     start_s = time.perf_counter()

@@ -23,6 +23,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
     raw_prompts = _split_prompts(body.prompt)
+    if len(raw_prompts) > ctx.settings.max_prompts:
+        raise bad_request(f"at most {ctx.settings.max_prompts} prompts, got {len(raw_prompts)}", param="prompt")
     prompts = [ctx.engine.engine.tokenize_prompt(prompt) for prompt in raw_prompts]
     echoes = [_echo_text(ctx, body, prompt) for prompt in raw_prompts]
     max_tokens = body.max_tokens

@@ -103,7 +103,9 @@ HANDLED_ERRORS = (
 async def handle_exception(request: Request, error: Exception) -> JSONResponse:
     api_error = to_api_error(error)
     if api_error.status == 500:
-        logger.error("request %s failed", request.url.path, exc_info=error)
+        # A failed step was logged with its traceback by the engine thread, once for all its requests.
+        traceback = None if isinstance(error, EngineStepError) else error
+        logger.error("request %s failed", request.url.path, exc_info=traceback)
     rejected_reason = {400: "validation", 429: "overload"}.get(api_error.status)
     if rejected_reason is not None:
         request.app.state.ctx.metrics.requests_rejected[rejected_reason].inc()

@@ -1,4 +1,4 @@
-"""`kvserve serve`: build the engine and the app, run uvicorn, drain on SIGTERM."""
+"""`kvserve serve`: build the engine and the app, run uvicorn, drain on SIGTERM, stop if the engine fails."""
 
 import logging
 import threading
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine import LLMEngine
+from engine import LLMEngine, fault_injection
 from engine.async_engine import AsyncLLMEngine
 from engine.default_model import DEFAULT_MODEL_NAME
 from server.app import create_app
@@ -17,6 +17,8 @@ from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.1
+# h11's cap on a request head still incomplete; the app's own header limits (request_limits.py) are lower.
+MAX_INCOMPLETE_EVENT_BYTES = 64 * 1024
 
 
 def build_context(settings: ServerSettings) -> ServerContext:
@@ -24,9 +26,10 @@ def build_context(settings: ServerSettings) -> ServerContext:
     model_name = settings.served_model_name or default_name
     metrics = ServerMetrics(model_name)
     engine = AsyncLLMEngine(
-        lambda: LLMEngine(settings.engine_config()),
+        lambda: _make_engine(settings),
         max_queued_requests=settings.max_queued_requests,
         on_stats=metrics.record_step,
+        max_consecutive_step_failures=settings.max_consecutive_step_failures,
     )
     return ServerContext(
         settings=settings,
@@ -35,6 +38,23 @@ def build_context(settings: ServerSettings) -> ServerContext:
         chat_template=_read_chat_template(settings.chat_template),
         metrics=metrics,
     )
+
+
+def _make_engine(settings: ServerSettings) -> LLMEngine:
+    engine = LLMEngine(settings.engine_config())
+    plan = fault_injection.plan_from_env()
+    if plan is not None:
+        logger.warning("TEST ONLY: %s=%s makes model steps fail", fault_injection.ENV_VAR, plan)
+        fault_injection.inject(engine, plan)
+    return engine
+
+
+def uvicorn_config(ctx: ServerContext, **options) -> uvicorn.Config:
+    """The app under uvicorn as `kvserve serve` runs it (tests pass where to listen and how to log)."""
+    return uvicorn.Config(
+        create_app(ctx), timeout_graceful_shutdown=2, h11_max_incomplete_event_size=MAX_INCOMPLETE_EVENT_BYTES,
+        **options,
+    )  # fmt: skip
 
 
 def _read_chat_template(template: str | None) -> str | None:
@@ -47,12 +67,22 @@ def _read_chat_template(template: str | None) -> str | None:
 
 class DrainingServer(uvicorn.Server):
     """On the first SIGTERM/SIGINT: answer 503 to new requests, let in-flight ones finish for up to
-    `drain_timeout_s`, then stop. A second signal, or a timeout of 0, stops at once."""
+    `drain_timeout_s`, fail the rest with 503, then stop. A second signal, or a timeout of 0, stops at once.
+    If the engine stops after repeated failed steps, the server stops too, with `exit_status` 1."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
         super().__init__(config)
         self.ctx = ctx
         self._draining = False
+        self.exit_status = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn calls this every 0.1 s; a failed engine takes no more requests, so a supervisor should restart us.
+        if self.ctx.engine.failed and not self.exit_status:
+            logger.error("the engine stopped after repeated failed model steps; exiting with status 1")
+            self.exit_status = 1
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
         timeout_s = self.ctx.settings.drain_timeout_s
@@ -73,19 +103,19 @@ class DrainingServer(uvicorn.Server):
         while self.ctx.engine.num_in_flight and time.monotonic() < deadline:
             time.sleep(DRAIN_POLL_S)
         logger.info("drained (%d requests left in flight); stopping", self.ctx.engine.num_in_flight)
+        # The requests still running get their 503 (or an SSE error chunk) now, so uvicorn's graceful shutdown
+        # finds every handler done instead of cutting connections after its own timeout.
+        self.ctx.engine.shutdown()
         self.should_exit = True
 
 
-def serve(settings: ServerSettings) -> None:
+def serve(settings: ServerSettings) -> int:
+    """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
     ctx = build_context(settings)
-    app = create_app(ctx)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=2,
-        h11_max_incomplete_event_size=64 * 1024,
-    )  # fmt: skip
-    server = DrainingServer(config, ctx)
+    server = DrainingServer(uvicorn_config(ctx, host=settings.host, port=settings.port, log_level="info"), ctx)
     logger.info("serving %r at http://%s:%d/v1 (docs at /docs)", ctx.model_name, settings.host, settings.port)
     try:
         server.run()
     finally:
         ctx.engine.shutdown()
+    return server.exit_status

@@ -7,19 +7,23 @@ while clients talk to it over real sockets.
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
-from server.app import create_app
 from server.context import ServerContext
 from server.metrics import PREFIX
-from server.serve import build_context
+from server.serve import build_context, uvicorn_config
 from server.settings import ServerSettings
 
 STARTUP_TIMEOUT_S = 60
+TINY_MODEL = "tiny-llama"
+TINY_KV_CACHE_BYTES = 4 << 20  # 8192 tokens of the tiny Llama
+STEP_DELAY_S = 0.005  # added to every model step where a test needs requests to stay in flight
+SETTLE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -54,7 +58,7 @@ def running_server(**settings) -> Iterator[RunningServer]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level="warning", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(uvicorn_config(ctx, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -69,6 +73,37 @@ def running_server(**settings) -> Iterator[RunningServer]:
         thread.join(timeout=10)
         ctx.engine.shutdown()
         sock.close()
+
+
+def tiny_server(checkpoints: dict[str, Path], **settings) -> AbstractContextManager[RunningServer]:
+    """A server of its own on the tiny Llama checkpoint, served as TINY_MODEL; `settings` override the defaults."""
+    defaults = {"model": str(checkpoints["llama"]), "served_model_name": TINY_MODEL,
+                "kv_cache_memory_bytes": TINY_KV_CACHE_BYTES}  # fmt: skip
+    return running_server(**{**defaults, **settings})
+
+
+def slow_down_steps(running: RunningServer, monkeypatch) -> None:
+    """Every model step takes at least STEP_DELAY_S, so long requests last long on any machine."""
+    execute = running.engine.runner.execute
+
+    def slow_execute(scheduler_output):
+        time.sleep(STEP_DELAY_S)
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(running.engine.runner, "execute", slow_execute)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server did not settle in time"
+        time.sleep(0.01)
+
+
+def assert_nothing_allocated(running: RunningServer) -> None:
+    running.wait_until_idle()
+    assert not running.engine.has_unfinished()
+    assert running.engine.kv_usage().num_used_blocks == 0
 
 
 def assert_openai_error(response, status: int, param: str | None = None) -> dict:

@@ -2,17 +2,23 @@
 parameter, and leaves the server serving the next request with no KV block held. Never a 500 for bad input.
 
 Statuses that are not 400: an unknown model and an unknown route are 404, a body over `max_body_bytes` is
-413, and a GET on a POST route is 405. A wrong Content-Type is a 400 (the body is not read as JSON), not a
-415, as in OpenAI's API.
+413, too many or too large headers are 431, and a GET on a POST route is 405. A wrong Content-Type is a 400
+(the body is not read as JSON), not a 415, as in OpenAI's API. The one answer not in OpenAI's shape: a request
+head still incomplete beyond uvicorn's own cap (64 KiB), which uvicorn refuses with a plain-text 400 before the
+app sees it.
+No error message names a server file or carries a traceback.
 """
 
 import http.client
 import json
+import socket
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from server.request_limits import MAX_HEADER_BYTES, MAX_HEADER_FIELD_BYTES, MAX_HEADERS
+from server.serve import MAX_INCOMPLETE_EVENT_BYTES
 from tests.server_harness import assert_openai_error
 
 COMPLETIONS = "/v1/completions"
@@ -24,6 +30,7 @@ MAX_N = 16  # ServerSettings defaults
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_BODY_BYTES = 1 << 20
+MAX_PROMPTS = 64
 VALID_COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
 VALID_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
 
@@ -41,12 +48,19 @@ def client(server):
 
 
 def assert_refused(server, client, response, status: int, param: str | None = None) -> dict:
-    """The error is `status` in OpenAI's shape; afterwards a valid request succeeds and no block stays held."""
+    """The error is `status` in OpenAI's shape, naming no server file; afterwards a valid request succeeds and no
+    block stays held."""
     error = assert_openai_error(response, status, param)
+    assert_names_no_internals(error["message"])
     assert client.post(COMPLETIONS, json=VALID_COMPLETION).status_code == 200
     server.wait_until_idle()
     assert server.engine.kv_usage().num_used_blocks == 0
     return error
+
+
+def assert_names_no_internals(message: str) -> None:
+    for leak in ("Traceback", '.py"', ".py:", "/work/", "/tmp/", "site-packages", "/home/", "/root/"):
+        assert leak not in message, message
 
 
 # The context window
@@ -140,6 +154,8 @@ BAD_PROMPTS = {
     "a number": 5,
     "an object": {"text": "Hi"},
     "a float token id": [1.5],
+    "more than max_prompts prompts": ["Hi"] * (MAX_PROMPTS + 1),
+    "more than max_prompts token-id prompts": [[5]] * (MAX_PROMPTS + 1),
 }
 
 
@@ -205,15 +221,25 @@ BAD_BODIES = {
 }
 
 
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
-def test_a_body_that_is_not_a_json_object_is_a_400(server, client, body):
-    response = client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
+def test_a_body_that_is_not_a_json_object_is_a_400(server, client, body, route):
+    response = client.post(route, content=body, headers={"content-type": "application/json"})
     assert_refused(server, client, response, 400)
 
 
-def test_a_body_with_a_wrong_content_type_is_a_400(server, client):
-    response = client.post(COMPLETIONS, content=json.dumps(VALID_COMPLETION), headers={"content-type": "text/plain"})
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_with_a_wrong_content_type_is_a_400(server, client, content_type, route):
+    body = VALID_COMPLETION if route == COMPLETIONS else VALID_CHAT
+    response = client.post(route, content=json.dumps(body), headers={"content-type": content_type})
     assert_refused(server, client, response, 400)
+
+
+def test_the_prompt_list_may_hold_max_prompts_prompts(client):
+    response = client.post(COMPLETIONS, json={**VALID_COMPLETION, "prompt": ["Hi"] * MAX_PROMPTS, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == MAX_PROMPTS
 
 
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nothing"), ("POST", "/v1/engines"), ("GET", "/")])
@@ -244,12 +270,80 @@ def test_a_chunked_body_over_max_body_bytes_is_a_413(server, client):
     assert_refused(server, client, response, 413)
 
 
+def test_a_body_over_max_body_bytes_is_refused_before_the_client_sends_it(server, client):
+    # Only the head and a first kilobyte go out; the 413 must come back without the server waiting for the rest.
+    address = urlsplit(server.base_url)
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {100 * MAX_BODY_BYTES}\r\n\r\n"
+    )
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"prompt": "' + b"a" * 1024)
+        status_line, body = _read_response(sock)
+    assert status_line.startswith("HTTP/1.1 413"), status_line
+    assert json.loads(body)["error"]["type"] == "request_too_large"
+    assert client.post(COMPLETIONS, json=VALID_COMPLETION).status_code == 200
+
+
+def _read_response(sock: socket.socket) -> tuple[str, bytes]:
+    """The status line and body of one HTTP/1.1 response with a Content-Length (the socket's timeout bounds it)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"connection closed mid-head: {data!r}")
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    length = next(int(line.split(":")[1]) for line in lines if line.lower().startswith("content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536) or pytest.fail(f"connection closed mid-body: {body!r}")
+    return lines[0], body
+
+
 def test_a_chunked_body_under_max_body_bytes_is_served(client):
     body = json.dumps(VALID_COMPLETION).encode()
     chunks = iter([body[:10], body[10:]])
     response = client.post(COMPLETIONS, content=chunks, headers={"content-type": "application/json"})
     assert response.request.headers["transfer-encoding"] == "chunked"
     assert response.status_code == 200, response.text
+
+
+# Headers
+
+BAD_HEADERS = {
+    "too many headers": {f"x-h{i}": "1" for i in range(MAX_HEADERS + 1)},
+    "one oversized header": {"x-big": "a" * (MAX_HEADER_FIELD_BYTES + 1)},
+    "oversized headers together": {f"x-h{i}": "a" * (MAX_HEADER_FIELD_BYTES - 100) for i in range(5)},
+}
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, "/v1/models"])
+@pytest.mark.parametrize("headers", BAD_HEADERS.values(), ids=BAD_HEADERS.keys())
+def test_too_many_or_too_large_headers_are_a_431(server, client, headers, route):
+    assert sum(len(k) + len(v) for k, v in headers.items()) < MAX_INCOMPLETE_EVENT_BYTES  # so the app answers
+    response = client.request("POST" if route == COMPLETIONS else "GET", route, json=VALID_COMPLETION,
+                              headers=headers)  # fmt: skip
+    error = assert_refused(server, client, response, 431)
+    assert error["type"] == "request_too_large"
+
+
+def test_headers_within_the_limits_are_served(client):
+    headers = {f"x-h{i}": "a" * 100 for i in range(MAX_HEADERS - 20)}  # room for httpx's own headers
+    assert sum(len(k) + len(v) for k, v in headers.items()) < MAX_HEADER_BYTES
+    assert client.post(COMPLETIONS, json=VALID_COMPLETION, headers=headers).status_code == 200
+
+
+def test_a_request_head_beyond_uvicorns_cap_is_refused_by_uvicorn_and_the_server_serves_on(server):
+    # h11 trips only on a head still incomplete beyond its cap, and one socket read takes up to 256 KiB: 1 MB
+    # of headers always trips it, whatever arrives in which read.
+    headers = {f"x-h{i}": "a" * 8000 for i in range(128)}
+    with httpx.Client(base_url=server.base_url, timeout=30) as fresh:
+        try:
+            response = fresh.post(COMPLETIONS, json=VALID_COMPLETION, headers=headers)
+            assert (response.status_code, response.headers.get("connection")) == (400, "close")
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            pass  # uvicorn answered and closed while the client was still sending: the client sees a reset
+        assert fresh.post(COMPLETIONS, json=VALID_COMPLETION).status_code == 200
+    server.wait_until_idle()
+    assert server.engine.kv_usage().num_used_blocks == 0
 
 
 # The connection and the whole input space

@@ -212,6 +212,19 @@ def test_n_choices_have_indices_zero_to_n_minus_one(client):
     assert [choice.index for choice in chat.choices] == [0, 1, 2]
 
 
+def test_n_greedy_choices_are_n_copies_of_the_greedy_text_each_counted_in_usage(client):
+    # The defined behaviour: greedy decoding has one answer, so n > 1 returns it n times (not an error, not merged).
+    single = client.completions.create(prompt=PROMPT, **greedy())
+    response = client.completions.create(prompt=PROMPT, n=3, **greedy())
+    chat = client.chat.completions.create(messages=MESSAGES, n=3, **greedy())
+    chat_single = client.chat.completions.create(messages=MESSAGES, **greedy())
+
+    assert [choice.text for choice in response.choices] == [single.choices[0].text] * 3
+    assert [choice.message.content for choice in chat.choices] == [chat_single.choices[0].message.content] * 3
+    assert response.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+    assert response.usage.completion_tokens == chat.usage.completion_tokens == 3 * MAX_TOKENS
+
+
 def test_choices_of_several_prompts_are_indexed_prompt_index_times_n_plus_i(client):
     texts = [client.completions.create(prompt=p, **greedy()).choices[0].text for p in (PROMPT, OTHER_PROMPT)]
 

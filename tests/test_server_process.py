@@ -1,6 +1,8 @@
-"""`kvserve serve` as a real process on a loopback port: draining on SIGTERM, stopping at once, and settings
-from a YAML file, KVSERVE_* variables and flags. Every process is bounded by timeouts and killed at the end."""
+"""`kvserve serve` as a real process on a loopback port: draining on SIGTERM, stopping at once, stopping when the
+engine keeps failing, and settings from a YAML file, KVSERVE_* variables and flags. Every process is bounded by
+timeouts and killed at the end, with anything it started."""
 
+import contextlib
 import os
 import re
 import signal
@@ -54,6 +56,36 @@ class ServerProcess:
             pytest.fail(f"the server did not exit within {timeout_s} s:\n{self.log()}")
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def assert_all_gone(pids: set[int]) -> None:
+    """None of `pids` is still running (a zombie waiting for its parent counts as gone)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    assert not alive, f"processes left behind: {alive}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -86,9 +118,13 @@ def serve_process(model_dir: Path, tmp_path: Path, *flags: str, **env: str) -> I
         _wait_until_healthy(server)
         yield server
     finally:
+        left = descendants(process.pid) if process.poll() is None else set()
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
+        for pid in left:  # a test that failed midway must not leave workers hogging the CPU for the next ones
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _wait_until_healthy(server: ServerProcess) -> None:
@@ -139,6 +175,7 @@ def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(
     flags = ("--drain-timeout-s", "20", "--served-model-name", MODEL, "--max-num-seqs", "1")
     with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
         in_flight = BackgroundRequest(server.base_url + COMPLETIONS, LONG)
+        children = descendants(server.process.pid)
         server.process.send_signal(signal.SIGTERM)
 
         draining = server.wait_for_log(r"draining: (\d+) requests in flight")
@@ -157,6 +194,30 @@ def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(
         assert in_flight.response.json()["usage"]["completion_tokens"] == LONG["n"] * LONG["max_tokens"]
         assert refused_s < in_flight.done_s  # the 503 came while the long request was still running
         assert server.wait_for_exit(EXIT_TIMEOUT_S) == 0
+        assert_all_gone(children)
+
+
+def test_when_the_drain_timeout_ends_the_requests_still_running_get_503_and_the_process_exits(
+    tiny_checkpoints, tmp_path
+):
+    # One sequence at a time: the 16 choices take far longer than the drain timeout.
+    drain_timeout_s = 2.0
+    flags = ("--drain-timeout-s", str(drain_timeout_s), "--max-num-seqs", "1")
+    with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
+        in_flight = BackgroundRequest(server.base_url + COMPLETIONS, {**LONG, "n": 16})
+        children = descendants(server.process.pid)
+        signalled_s = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+
+        assert server.wait_for_exit(EXIT_TIMEOUT_S) == 0
+        exit_s = time.monotonic() - signalled_s
+        in_flight.join()
+        assert in_flight.error is None, in_flight.error
+        assert "shut down" in assert_openai_error(in_flight.response, 503)["message"]
+        print(f"drain timeout {drain_timeout_s} s: exited {exit_s:.2f} s after SIGTERM")
+        # The timeout, then one engine step and uvicorn's closing of idle connections (0.1 s).
+        assert drain_timeout_s <= exit_s < drain_timeout_s + 3
+        assert_all_gone(children)
 
 
 def test_with_no_drain_timeout_sigterm_stops_at_once_without_waiting_for_requests(tiny_checkpoints, tmp_path):
@@ -164,15 +225,32 @@ def test_with_no_drain_timeout_sigterm_stops_at_once_without_waiting_for_request
     flags = ("--drain-timeout-s", "0", "--max-num-seqs", "1")
     with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
         in_flight = BackgroundRequest(server.base_url + COMPLETIONS, {**LONG, "n": 16})
+        children = descendants(server.process.pid)
         signalled_s = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
 
         assert server.wait_for_exit(5) == 0
+        assert_all_gone(children)
         assert time.monotonic() - signalled_s < 5
         in_flight.join()
         assert in_flight.done_s - signalled_s < 5
         assert in_flight.error is not None or in_flight.response.status_code != 200
         assert "draining" not in server.log()
+
+
+def test_an_engine_whose_steps_keep_failing_stops_the_process_with_status_1(tiny_checkpoints, tmp_path):
+    flags = ("--served-model-name", MODEL, "--max-consecutive-step-failures", "2")
+    fault = {"KVSERVE_FAULT_INJECTION": "raise:0"}  # every model step raises (engine/fault_injection.py)
+    with serve_process(tiny_checkpoints["llama"], tmp_path, *flags, **fault) as server:
+        children = descendants(server.process.pid)
+        for _ in range(2):
+            error = assert_openai_error(httpx.post(server.base_url + COMPLETIONS, json=SHORT, timeout=30), 500)
+            assert "/" not in error["message"] and "injected" not in error["message"]
+
+        assert server.wait_for_exit(EXIT_TIMEOUT_S) == 1
+        assert_all_gone(children)
+        log = server.log()
+        assert "TEST ONLY" in log and "2 model steps failed in a row" in log and "exiting with status 1" in log
 
 
 # Settings
