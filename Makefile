@@ -9,7 +9,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run generate test lint bench bench-serve clean
+.PHONY: install run generate test soak lint bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ generate: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# Constant mixed load against a `kvserve serve` process (10 minutes; SOAK_ARGS="--duration-s 60" for less).
+soak: install
+	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
