@@ -14,6 +14,7 @@ from server.completions import create_completion
 from server.context import ServerContext
 from server.errors import HANDLED_ERRORS, APIError, handle_exception
 from server.metrics import CountHTTPRequests
+from server.openapi_docs import TEXT, document_streams, error_responses, generation_responses
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -21,7 +22,6 @@ from server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -31,31 +31,6 @@ from server.protocol import (
     now_s,
 )
 from server.request_limits import BodySizeLimit, HeaderLimits
-
-# Documented error statuses (OpenAPI), each in the OpenAI error shape. "4XX" covers the rest (405, 413, 431) and
-# keeps FastAPI from documenting a 422 that this server never sends (validation errors are 400s).
-_ERROR_DESCRIPTIONS = {
-    400: "invalid request: a field out of range, a bad prompt or messages, malformed JSON",
-    401: "missing or wrong API key (when the server has one)",
-    404: "unknown model",
-    429: "too many requests waiting; retry after `Retry-After` seconds",
-    500: "a model step failed while the request was in flight",
-    503: "the server is shutting down or its engine has stopped",
-    "4XX": "any other client error (405, 413 body too large, 431 headers too large)",
-}
-
-
-_TEXT = {"type": "string"}
-
-
-def _error_responses(*statuses: int) -> dict:
-    documented = (*statuses, 500, 503, "4XX")
-    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in documented}
-
-
-def _generation_responses(response_model: type) -> dict:
-    streamed = {"text/event-stream": {"schema": {**_TEXT, "description": "SSE `data:` events, then [DONE]"}}}
-    return {200: {"model": response_model, "content": streamed}, **_error_responses(400, 401, 404, 429)}
 
 
 def kvserve_version() -> str:
@@ -86,6 +61,7 @@ class RefuseWhileDraining:
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM inference server")
     app.state.ctx = ctx
+    document_streams(app)
     app.state.draining = False
     # Starlette answers a handler registered for plain `Exception` and then re-raises the error, so uvicorn
     # logs a traceback and closes the keep-alive connection: every expected error needs its own entry.
@@ -121,30 +97,30 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get(
         "/metrics", summary="Prometheus metrics (text format); open like /health, so scrapers need no key",
-        response_class=Response, responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {"schema": _TEXT}}}},
+        response_class=Response, responses={200: {"content": {CONTENT_TYPE_PLAIN_0_0_4: {"schema": TEXT}}}},
     )  # fmt: skip
     async def metrics():
         # The classic text format (0.0.4), which every Prometheus reads; prometheus-client's newest is 1.0.0.
         return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
-    @app.get("/version", response_model=VersionResponse, responses=_error_responses())
+    @app.get("/version", response_model=VersionResponse, responses=error_responses())
     async def get_version():
         return {"version": kvserve_version()}
 
-    @app.get("/v1/models", dependencies=authorized, response_model=ModelList, responses=_error_responses(401))
+    @app.get("/v1/models", dependencies=authorized, response_model=ModelList, responses=error_responses(401))
     async def list_models():
         return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
 
-    @app.post("/v1/completions", dependencies=authorized, responses=_generation_responses(CompletionResponse))
+    @app.post("/v1/completions", dependencies=authorized, responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(body, request, ctx)
 
-    @app.post("/v1/chat/completions", dependencies=authorized, responses=_generation_responses(ChatCompletionResponse))
+    @app.post("/v1/chat/completions", dependencies=authorized, responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
 
     @app.post("/tokenize", dependencies=authorized, response_model=TokenizeResponse,
-              responses=_error_responses(400, 401, 404))  # fmt: skip
+              responses=error_responses(400, 401, 404))  # fmt: skip
     async def tokenize(body: TokenizeRequest):
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -156,7 +132,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize", dependencies=authorized, response_model=DetokenizeResponse,
-              responses=_error_responses(400, 401, 404))  # fmt: skip
+              responses=error_responses(400, 401, 404))  # fmt: skip
     async def detokenize(body: DetokenizeRequest):
         ctx.check_model(body.model)
         ctx.engine.engine.tokenize_prompt(body.tokens)  # range-checks the ids

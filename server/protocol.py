@@ -15,14 +15,19 @@ def now_s() -> int:
     return int(time.time())
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body (or part of one). Strict: `true` is no token id, `"5"` no max_tokens and `1` no `stream`;
+    only an integer where a float is expected passes, as JSON does not tell 1 from 1.0."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat, including the vLLM extras clients send in `extra_body`."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float | None = None
@@ -51,12 +56,12 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
 
@@ -70,14 +75,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

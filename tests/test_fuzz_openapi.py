@@ -43,10 +43,14 @@ OPERATIONS = [
     "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "POST /v1/completions",
     "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
 ]  # fmt: skip
-# Requests that break the schema exist only where there is a body to break.
-RUNS = [(operation, GenerationMode.POSITIVE) for operation in OPERATIONS] + [
-    (operation, GenerationMode.NEGATIVE) for operation in OPERATIONS if operation.startswith("POST")
-]
+STREAMING = ["POST /v1/completions", "POST /v1/chat/completions"]
+# Requests that break the schema exist only where there is a body to break; streamed runs hold every SSE event
+# to the schema of its data (a chunk, an error or [DONE]).
+RUNS = (
+    [(operation, "positive") for operation in OPERATIONS]
+    + [(operation, "negative") for operation in OPERATIONS if operation.startswith("POST")]
+    + [(operation, "streamed") for operation in STREAMING]
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +71,25 @@ def test_the_fuzzed_operations_are_every_operation_in_the_schema(api_schema):
 
 
 # Driven through `as_strategy` rather than schemathesis' pytest plugin, whose lazy loader breaks on pytest 9.2.
-@pytest.mark.parametrize(("operation", "mode"), RUNS, ids=[f"{op} {mode.value}" for op, mode in RUNS])
-def test_no_generated_request_gets_a_5xx_or_a_response_outside_the_schema(api_schema, live, operation, mode):
+def stream(case):
+    if isinstance(case.body, dict):
+        case.body["stream"] = True
+    return case
+
+
+@pytest.mark.parametrize(("operation", "run"), RUNS, ids=[f"{operation} {run}" for operation, run in RUNS])
+def test_no_generated_request_gets_a_5xx_or_a_response_outside_the_schema(api_schema, live, operation, run):
     method, path = operation.split()
+    mode = GenerationMode.NEGATIVE if run == "negative" else GenerationMode.POSITIVE
     strategy = api_schema[path][method].as_strategy(generation_mode=mode)
+    if run == "streamed":
+        strategy = strategy.map(stream)
 
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(case=strategy)
     def fuzz(case) -> None:
         response = case.call(base_url=live.base_url, timeout=60)
-        CASES_RUN[f"{operation} ({mode.value})"] += 1
+        CASES_RUN[f"{operation} ({run})"] += 1
         case.validate_response(response, checks=CHECKS)
 
     fuzz()

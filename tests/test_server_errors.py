@@ -141,6 +141,24 @@ def test_the_edges_of_the_sampling_ranges_are_served(server, client, fields):
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
+# JSON types are taken strictly: only an integer may stand for a float
+
+WRONG_TYPES = {
+    "max_tokens as a string": ({"max_tokens": "5"}, "max_tokens"),
+    "n as a whole float": ({"n": 2.0}, "n"),
+    "stream as 1": ({"stream": 1}, "stream"),
+    "echo as a string": ({"echo": "true"}, "echo"),
+    "a boolean stop token id": ({"stop_token_ids": [True]}, "stop_token_ids.0"),
+    "temperature as a string": ({"temperature": "0.5"}, "temperature"),
+}
+
+
+@pytest.mark.parametrize(("fields", "param"), WRONG_TYPES.values(), ids=WRONG_TYPES.keys())
+def test_a_value_of_the_wrong_json_type_is_a_400_naming_its_field(server, client, fields, param):
+    response = client.post(COMPLETIONS, json={**VALID_COMPLETION, **fields})
+    assert_refused(server, client, response, 400, param=param)
+
+
 # Prompts and messages
 
 BAD_PROMPTS = {
@@ -154,6 +172,8 @@ BAD_PROMPTS = {
     "a number": 5,
     "an object": {"text": "Hi"},
     "a float token id": [1.5],
+    "a boolean token id": [True],
+    "a whole float as a token id": [5.0],
     "more than max_prompts prompts": ["Hi"] * (MAX_PROMPTS + 1),
     "more than max_prompts token-id prompts": [[5]] * (MAX_PROMPTS + 1),
 }
