@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,10 +48,14 @@ class Snapshot:
 class SoakReport:
     duration_s: float
     concurrency: int
-    served: Counter = field(default_factory=Counter)
-    unexpected: Counter = field(default_factory=Counter)
+    served: dict[str, int] = field(default_factory=dict)  # plain dicts: asdict() would mangle a Counter
+    unexpected: dict[str, int] = field(default_factory=dict)
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
     exit_status: int | None = None
+
+
+def count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
 
 
 def rss_mib(pid: int) -> float:
@@ -116,9 +119,9 @@ async def load(base_url: str, report: SoakReport, deadline_s: float, seed: int) 
                 try:
                     expected = await one_request(client, kind, rng)
                 except httpx.HTTPError as error:
-                    report.unexpected[f"{kind}: {type(error).__name__}"] += 1
+                    count(report.unexpected, f"{kind}: {type(error).__name__}")
                     continue
-                (report.served if expected else report.unexpected)[kind] += 1
+                count(report.served if expected else report.unexpected, kind)
 
         await asyncio.gather(*(worker(seed * 1000 + i) for i in range(report.concurrency)))
 

@@ -67,7 +67,8 @@ def _read_chat_template(template: str | None) -> str | None:
 
 class DrainingServer(uvicorn.Server):
     """On the first SIGTERM/SIGINT: answer 503 to new requests, let in-flight ones finish for up to
-    `drain_timeout_s`, fail the rest with 503, then stop. A second signal, or a timeout of 0, stops at once.
+    `drain_timeout_s`, fail the rest with 503, then stop. A second signal, or a timeout of 0, fails the requests
+    in flight with 503 and stops at once.
     If the engine stops after repeated failed steps, the server stops too, with `exit_status` 1."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
@@ -91,6 +92,8 @@ class DrainingServer(uvicorn.Server):
             # `serve` shuts the engine down, with another exit status than a drained stop (0).
             self.force_exit = self._draining
             self.should_exit = True
+            # The requests in flight get their 503 now, so uvicorn need not wait out its graceful shutdown for them.
+            threading.Thread(target=self.ctx.engine.shutdown, daemon=True).start()
             return
         self._draining = True
         self.config.app.state.draining = True

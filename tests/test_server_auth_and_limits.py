@@ -134,6 +134,11 @@ def test_requests_beyond_the_waiting_queue_get_429_at_once_and_the_admitted_ones
             assert_openai_error(response, 429)
             assert int(response.headers["retry-after"]) >= 1
             assert elapsed_s < first_completion_s  # refused at once, not after waiting for room
+        print(
+            f"\noverload: {NUM_CONCURRENT} concurrent against a queue of {MAX_QUEUED}: {len(admitted)} served, "
+            f"{len(rejected)} refused with 429 within {max(s for _, s in rejected):.2f} s (the first completion "
+            f"took {first_completion_s:.2f} s), no 5xx, no client timeout"
+        )
         assert running.metric("requests_rejected_total", reason="overload") == len(rejected)
         assert_nothing_allocated(running)
         assert httpx.post(running.base_url + COMPLETIONS, json=COMPLETION, timeout=30).status_code == 200

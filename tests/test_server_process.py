@@ -31,6 +31,10 @@ SHORT = {"prompt": "Once upon a time", "max_tokens": 2}
 # Four sequences of 500 tokens: seconds of work on a CPU, so it is still running when SIGTERM comes.
 LONG = {"prompt": "Hi", "max_tokens": 500, "n": 4, "ignore_eos": True}
 SUBMIT_WAIT_S = 0.5  # after the long request left the client: ample for a loopback server to queue it
+# The drain test's request takes seconds alone but minutes on a CPU shared with another test run; the drain
+# timeout must outlast it, and the process exits as soon as it is done anyway.
+DRAIN_TIMEOUT_S = 240
+REQUEST_TIMEOUT_S = 300
 
 
 @dataclass
@@ -156,13 +160,13 @@ class BackgroundRequest:
     def _post(self, url: str, body: dict) -> None:
         hooks = {"request": [lambda request: self.sent.set()]}
         try:
-            with httpx.Client(timeout=60, event_hooks=hooks) as client:
+            with httpx.Client(timeout=REQUEST_TIMEOUT_S, event_hooks=hooks) as client:
                 self.response = client.post(url, json=body)
         except httpx.TransportError as error:
             self.error = error
         self.done_s = time.monotonic()
 
-    def join(self, timeout_s: float = 60) -> None:
+    def join(self, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "the request did not come back"
 
@@ -172,7 +176,7 @@ class BackgroundRequest:
 
 def test_sigterm_drains_refusing_new_requests_while_the_one_in_flight_completes(tiny_checkpoints, tmp_path):
     # One sequence at a time keeps the request in flight long after the signal, on any CPU.
-    flags = ("--drain-timeout-s", "20", "--served-model-name", MODEL, "--max-num-seqs", "1")
+    flags = ("--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--served-model-name", MODEL, "--max-num-seqs", "1")
     with serve_process(tiny_checkpoints["llama"], tmp_path, *flags) as server:
         in_flight = BackgroundRequest(server.base_url + COMPLETIONS, LONG)
         children = descendants(server.process.pid)
@@ -215,8 +219,9 @@ def test_when_the_drain_timeout_ends_the_requests_still_running_get_503_and_the_
         assert in_flight.error is None, in_flight.error
         assert "shut down" in assert_openai_error(in_flight.response, 503)["message"]
         print(f"drain timeout {drain_timeout_s} s: exited {exit_s:.2f} s after SIGTERM")
-        # The timeout, then one engine step and uvicorn's closing of idle connections (0.1 s).
-        assert drain_timeout_s <= exit_s < drain_timeout_s + 3
+        # The timeout, then one engine step, uvicorn's 0.1 s for open connections and the interpreter's exit
+        # (about 1 s in all on an idle machine; the margin is for a busy one).
+        assert drain_timeout_s <= exit_s < drain_timeout_s + 5
         assert_all_gone(children)
 
 
@@ -231,10 +236,12 @@ def test_with_no_drain_timeout_sigterm_stops_at_once_without_waiting_for_request
 
         assert server.wait_for_exit(5) == 0
         assert_all_gone(children)
+        print(f"drain timeout 0: exited {time.monotonic() - signalled_s:.2f} s after SIGTERM")
         assert time.monotonic() - signalled_s < 5
         in_flight.join()
         assert in_flight.done_s - signalled_s < 5
-        assert in_flight.error is not None or in_flight.response.status_code != 200
+        assert in_flight.error is None, in_flight.error
+        assert "shut down" in assert_openai_error(in_flight.response, 503)["message"]
         assert "draining" not in server.log()
 
 
