@@ -30,6 +30,7 @@ def build_context(settings: ServerSettings) -> ServerContext:
         max_queued_requests=settings.max_queued_requests,
         on_stats=metrics.record_step,
         max_consecutive_step_failures=settings.max_consecutive_step_failures,
+        stall_timeout_s=settings.engine_stall_timeout_s,
     )
     return ServerContext(
         settings=settings,

@@ -41,6 +41,9 @@ class _ServerOnlySettings(BaseModel):
     max_consecutive_step_failures: int = Field(
         3, ge=1, description="after this many failed model steps in a row the server exits with status 1"
     )
+    engine_stall_timeout_s: float = Field(
+        60.0, gt=0, description="/health turns 503 when requests wait and no model step has ended for this long"
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{field.name: getattr(self, field.name) for field in fields(EngineConfig)})

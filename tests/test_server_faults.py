@@ -9,6 +9,7 @@ A step that hangs while requests wait turns /health 503 too. Every wait is bound
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -124,22 +125,25 @@ def test_failed_steps_in_a_row_stop_the_engine_and_every_later_request_gets_503(
         assert running.ctx.engine.num_in_flight == 0
 
 
-def test_a_hung_step_turns_health_503_while_requests_wait_and_200_once_it_moves_again(fragile, monkeypatch):
-    monkeypatch.setattr(fragile.ctx.engine, "stall_timeout_s", 0.5)
-    hang = inject(fragile, monkeypatch, FaultPlan("hang", first_step=0, num_steps=1))
-    responses: list[httpx.Response] = []
-    client = threading.Thread(target=lambda: responses.append(post(fragile, COMPLETION)), daemon=True)
-    client.start()
-    try:
-        wait_for(lambda: health(fragile) == 503)
-        assert not responses  # the request is stuck behind the hung step
-    finally:
-        hang.release()
-    client.join(REQUEST_TIMEOUT_S)
+def test_a_hung_step_turns_health_503_while_requests_wait_and_200_once_it_moves_again(tiny_checkpoints, monkeypatch):
+    stall_timeout_s = 0.5
+    with tiny_server(tiny_checkpoints, engine_stall_timeout_s=stall_timeout_s) as stalling:
+        time.sleep(stall_timeout_s + 0.1)
+        assert health(stalling) == 200  # nothing waits: an idle engine is not a hung one
+        hang = inject(stalling, monkeypatch, FaultPlan("hang", first_step=0, num_steps=1))
+        responses: list[httpx.Response] = []
+        client = threading.Thread(target=lambda: responses.append(post(stalling, COMPLETION)), daemon=True)
+        client.start()
+        try:
+            wait_for(lambda: health(stalling) == 503)
+            assert not responses  # the request is stuck behind the hung step
+        finally:
+            hang.release()
+        client.join(REQUEST_TIMEOUT_S)
 
-    assert [response.status_code for response in responses] == [200]
-    wait_for(lambda: health(fragile) == 200)
-    assert_recovered(fragile)
+        assert [response.status_code for response in responses] == [200]
+        wait_for(lambda: health(stalling) == 200)
+        assert_recovered(stalling)
 
 
 @pytest.mark.parametrize(
