@@ -3,7 +3,9 @@
 Clients loop until the deadline, each request drawn at random: completions and chat, streamed or not, n=2
 sampling, a client that leaves mid-stream, and a bad request (which must get its 400). Reported: requests
 served by kind, unexpected answers (errors), and the server's RSS and free KV blocks before the load, after a
-warm-up, and at the end (after the load, once idle); then the server is stopped with SIGTERM.
+warm-up, and at the end (after the load, once idle), with RSS sampled during the load and its slope over the
+load's second half (a leak keeps rising there; allocator caches have settled); then the server is stopped with
+SIGTERM.
 
     python benchmarks/soak.py                         # 10 minutes, the built-in default model
     python benchmarks/soak.py --duration-s 60 --model /path/to/checkpoint --json soak.json
@@ -51,6 +53,7 @@ class SoakReport:
     served: dict[str, int] = field(default_factory=dict)  # plain dicts: asdict() would mangle a Counter
     unexpected: dict[str, int] = field(default_factory=dict)
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
+    rss_samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MiB) under load
     exit_status: int | None = None
 
 
@@ -109,6 +112,20 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
         return '"error"' not in text and (not body.get("stream") or text.rstrip().endswith("data: [DONE]"))
 
 
+def slope_mib_per_hour(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of RSS over time."""
+    mean_t = sum(t for t, _ in samples) / len(samples)
+    mean_rss = sum(rss for _, rss in samples) / len(samples)
+    spread = sum((t - mean_t) ** 2 for t, _ in samples)
+    return 3600 * sum((t - mean_t) * (rss - mean_rss) for t, rss in samples) / spread
+
+
+async def sample_rss(pid: int, report: SoakReport, start_s: float, deadline_s: float, every_s: float) -> None:
+    while (now_s := time.monotonic()) < deadline_s:
+        report.rss_samples.append((round(now_s - start_s, 1), rss_mib(pid)))
+        await asyncio.sleep(min(every_s, deadline_s - now_s))
+
+
 async def load(base_url: str, report: SoakReport, deadline_s: float, seed: int) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
 
@@ -153,7 +170,13 @@ def run(args: argparse.Namespace) -> SoakReport:
         warm_up_s = min(args.warm_up_s, args.duration_s)
         asyncio.run(load(base_url, report, start_s + warm_up_s, args.seed))
         report.snapshots["after warm-up"] = snapshot(base_url, process.pid, start_s)
-        asyncio.run(load(base_url, report, start_s + args.duration_s, args.seed + 1))
+
+        async def measured_load() -> None:
+            deadline_s = start_s + args.duration_s
+            sampler = sample_rss(process.pid, report, start_s, deadline_s, args.sample_every_s)
+            await asyncio.gather(load(base_url, report, deadline_s, args.seed + 1), sampler)
+
+        asyncio.run(measured_load())
         wait_idle(base_url)
         report.snapshots["end"] = snapshot(base_url, process.pid, start_s)
         process.send_signal(signal.SIGTERM)
@@ -169,6 +192,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--warm-up-s", type=float, default=30.0, help="RSS drift is measured from after this")
+    parser.add_argument("--sample-every-s", type=float, default=60.0, help="RSS sampling interval during the load")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in default model)")
     parser.add_argument("--max-num-seqs", type=int, default=16)
@@ -184,6 +208,10 @@ def main() -> int:
               f"/{snap.total_blocks}")  # fmt: skip
     drift = report.snapshots["end"].rss_mib - report.snapshots["after warm-up"].rss_mib
     print(f"RSS drift after warm-up: {drift:+.1f} MiB")
+    print("RSS under load (s, MiB):", " ".join(f"{t:.0f}:{rss:.1f}" for t, rss in report.rss_samples))
+    second_half = [(t, rss) for t, rss in report.rss_samples if t >= args.duration_s / 2]
+    if len(second_half) >= 2:
+        print(f"RSS slope over the second half of the load: {slope_mib_per_hour(second_half):+.2f} MiB/hour")
     print(f"served {sum(report.served.values())} requests: {dict(report.served)}")
     print(f"unexpected answers (errors): {sum(report.unexpected.values())} {dict(report.unexpected)}")
     print(f"server exit status after SIGTERM: {report.exit_status}")
