@@ -34,7 +34,7 @@ def benchmark_model_dir() -> Path:
     model_dir = cache_root() / MODEL_NAME
     if (model_dir / "config.json").exists():
         return model_dir
-    tokenizer = train_tokenizer(_synthetic_corpus(), VOCAB_SIZE)
+    tokenizer = train_tokenizer(synthetic_corpus(), VOCAB_SIZE)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=512,
@@ -50,7 +50,7 @@ def benchmark_model_dir() -> Path:
     return write_random_checkpoint(config, tokenizer, model_dir, seed=0)
 
 
-def _synthetic_corpus() -> str:
+def synthetic_corpus() -> str:
     """Enough distinct pseudo-words for a 32k-token BPE vocabulary."""
     rng = random.Random(0)
     syllables = [c + v for c in string.ascii_lowercase for v in "aeiouy"] + list(string.ascii_lowercase)
