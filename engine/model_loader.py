@@ -12,6 +12,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
+from engine.models.layers import PackedLinear
+from engine.models.rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that kvserve recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,11 +36,18 @@ def check_checkpoint_dir(model_dir: Path) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """Build the model on the meta device, allocate it once in `dtype` on `device`, fill it from the checkpoint."""
     model_dir = Path(model_dir)
     config = load_decoder_config(model_dir)
-    model = DecoderForCausalLM(config)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config).to(dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.compute_tables()
     _load_weights(model, _safetensors_files(model_dir))
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
 
 
 def load_decoder_config(model_dir: Path) -> DecoderConfig:
@@ -65,8 +74,25 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}{refused}")
 
 
+def checkpoint_destinations(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
+    """Each checkpoint tensor's name and the parameter, or rows of a packed parameter, it fills."""
+    destinations = {}
+    for module_name, module in model.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if not isinstance(module, PackedLinear):
+                destinations[f"{module_name}.{name}"] = parameter
+                continue
+            parent, offset = module_name.rpartition(".")[0], 0
+            for part, size in module.parts.items():
+                destinations[f"{parent}.{part}.{name}"] = parameter.narrow(0, offset, size)
+                offset += size
+    if model.config.tie_word_embeddings:
+        del destinations["lm_head.weight"]  # the embedding's weight
+    return destinations
+
+
 def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
-    parameters = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    destinations = checkpoint_destinations(model)
     loaded: set[str] = set()
     with torch.no_grad():
         for path in files:
@@ -76,15 +102,16 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
                         name == "lm_head.weight" and model.config.tie_word_embeddings
                     ):
                         continue
-                    if name not in parameters:
+                    if name not in destinations:
                         raise CheckpointError(f"unexpected weight {name!r} in {path.name}")
                     tensor = shard.get_tensor(name)
-                    if tensor.shape != parameters[name].shape:
+                    if tensor.shape != destinations[name].shape:
                         raise CheckpointError(
-                            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(parameters[name].shape)}"
+                            f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(destinations[name].shape)}"
                         )
-                    parameters[name].copy_(tensor)
+                    destinations[name].copy_(tensor)
                     loaded.add(name)
-    missing = sorted(set(parameters) - loaded)
+    missing = sorted(set(destinations) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,5 +1,6 @@
-"""The attention backend a model calls: a KV store and a paged attention over the same cache,
-and the choice of backend per device."""
+"""The backend a model calls for its kernels: a KV store and a paged attention over the same cache,
+and the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary embeddings); and the
+choice of backend per device."""
 
 import os
 from dataclasses import dataclass
@@ -9,12 +10,19 @@ import torch
 
 from kernels import torch_paged_attention
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu_backend import CpuAttentionBackend
+from kernels.cpu_extension import load_cpu_kernels
 from kernels.paged_kv import PagedKV
+from kernels.torch_layer_ops import TorchLayerOps
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
 class AttentionBackend(Protocol):
+    """Ops that take their inputs by value may reuse them: `add_rms_norm` may write its results into
+    `x` and `residual`, `rotary_embedding` may rotate `query` and `key` in place. Callers use the
+    returned tensors and never the inputs again."""
+
     name: str
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
@@ -22,6 +30,22 @@ class AttentionBackend(Protocol):
     def paged_attention(
         self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a packed [tokens, 2n] gate/up output."""
+        ...
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -34,8 +58,8 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
-class TorchAttentionBackend:
-    """Pure torch path: runs on any device; the reference the Triton kernels are tested against."""
+class TorchAttentionBackend(TorchLayerOps):
+    """Pure torch path: runs on any device; the reference the C++ and Triton kernels are tested against."""
 
     name: str = "torch"
 
@@ -52,10 +76,17 @@ def check_backend_name(name: str) -> None:
 
 
 def select_attention_backend(name: str, device: torch.device, shape: AttentionShape) -> AttentionBackend:
-    """`auto`: the Triton kernels on CUDA, the torch path elsewhere; `torch` or `triton` force one."""
+    """`auto`: the Triton kernels on CUDA, the C++ kernels on a CPU (the torch path if they cannot be
+    built); `torch`, `cpu` or `triton` force one."""
     check_backend_name(name)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu" if load_cpu_kernels() else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu" or not load_cpu_kernels():
+            raise ValueError(f"attention_backend 'cpu' needs a CPU device and the C++ kernels (device {device.type})")
+        return CpuAttentionBackend()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"attention_backend 'triton' needs a CUDA device (got {device.type}); on the CPU the Triton "

@@ -1,8 +1,10 @@
-"""Torch paged attention: the CPU path of the engine and the reference for the Triton kernels.
+"""Torch paged attention: the reference for the C++ and Triton kernels, and the engine's path where
+neither runs. The CPU backend uses its prompt-chunk half (`extend_attention`).
 
 Each request gathers exactly its `seq_len` cached positions from its blocks, so padding and
 unused slots (whatever they hold, NaN included) never enter the arithmetic. Measured on the CPU,
-this per-request loop beats one padded batched gather by 5-8x at decode (BENCHMARKS.md).
+this per-request loop beat one padded batched gather by 5-8x at decode (BENCHMARKS.md); the C++
+decode kernel, one call for all requests, is faster still.
 
 An int8 cache holds each token's K and V per head as int8 times an fp32 scale (absmax / 127). The
 decode path folds the K scales into the scores and the V scales into the probabilities; the
@@ -41,26 +43,35 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mappin
 def paged_attention(query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] over each request's paged context."""
     output = torch.empty_like(query)
-    block_size = cache.block_size
-    starts = metadata.query_start_loc.tolist()
-    for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
-        block_ids = metadata.block_tables[i, : -(-seq_len // block_size)]
-        keys, values = _gather(cache.key, block_ids, seq_len), _gather(cache.value, block_ids, seq_len)
-        key_scale = value_scale = None
-        if cache.quantized:
-            key_scale, value_scale = (
-                _gather(cache.key_scale, block_ids, seq_len),
-                _gather(cache.value_scale, block_ids, seq_len),
-            )
-        rows = slice(starts[i], starts[i] + query_len)
-        if query_len == 1:
-            output[rows] = _decode_one(query[rows], keys, values, key_scale, value_scale, scale)
-        else:
-            if cache.quantized:
-                keys = (keys.float() * key_scale.unsqueeze(-1)).to(query.dtype)
-                values = (values.float() * value_scale.unsqueeze(-1)).to(query.dtype)
-            output[rows] = _extend_one(query[rows], keys, values, scale)
+    for i in range(metadata.num_decodes):
+        keys, values, key_scale, value_scale = _context(cache, metadata, i)
+        output[i : i + 1] = _decode_one(query[i : i + 1], keys, values, key_scale, value_scale, scale)
+    extend_attention(query, cache, metadata, scale, output, first_seq=metadata.num_decodes)
     return output
+
+
+def extend_attention(
+    query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float, out: torch.Tensor, first_seq: int
+) -> None:
+    """Write the attention rows of requests `first_seq`, ... (prompts and prompt chunks) into `out`."""
+    starts = metadata.query_start_loc.tolist()
+    for i in range(first_seq, metadata.num_seqs):
+        keys, values, key_scale, value_scale = _context(cache, metadata, i)
+        if cache.quantized:
+            keys = (keys.float() * key_scale.unsqueeze(-1)).to(query.dtype)
+            values = (values.float() * value_scale.unsqueeze(-1)).to(query.dtype)
+        rows = slice(starts[i], starts[i + 1])
+        out[rows] = _extend_one(query[rows], keys, values, scale)
+
+
+def _context(cache: PagedKV, metadata: AttentionMetadata, seq: int):
+    """Keys, values [seq_len, kv_heads, head_dim] of request `seq` and their scales (None unless int8)."""
+    seq_len = metadata.seq_lens_cpu[seq]
+    block_ids = metadata.block_tables[seq, : -(-seq_len // cache.block_size)]
+    keys, values = _gather(cache.key, block_ids, seq_len), _gather(cache.value, block_ids, seq_len)
+    if not cache.quantized:
+        return keys, values, None, None
+    return keys, values, _gather(cache.key_scale, block_ids, seq_len), _gather(cache.value_scale, block_ids, seq_len)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -84,14 +95,20 @@ def _decode_one(query, keys, values, key_scale, value_scale, scale: float) -> to
 
 
 def _extend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Query rows [Q, heads, D] at the last Q positions of keys/values [L, kv_heads, D], causally."""
+    """Query rows [Q, heads, D] at the last Q positions of keys/values [L, kv_heads, D], causally.
+
+    Laid out as [1, heads, tokens, D] with the KV heads repeated for each query head, so CPU SDPA runs
+    its flash kernel (3-4x its fallback for GQA or 3-d inputs at 512 tokens, BENCHMARKS.md).
+    """
     query_len, seq_len = query.shape[0], keys.shape[0]
     context_len = seq_len - query_len
-    q, k, v = query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    group = query.shape[1] // keys.shape[1]
+    q = query.transpose(0, 1)[None]
+    k, v = (x.transpose(0, 1).repeat_interleave(group, dim=0)[None] for x in (keys, values))
     if context_len == 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         # Query row r sits at position context_len + r and sees keys at positions <= its own.
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(context_len)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)

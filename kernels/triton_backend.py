@@ -8,6 +8,7 @@ import triton
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import AttentionShape
 from kernels.paged_kv import PagedKV
+from kernels.torch_layer_ops import TorchLayerOps
 from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kernels.triton_extend_attention import paged_extend_attention
 from kernels.triton_store_kv import store_kv
@@ -27,7 +28,7 @@ def num_decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, targ
 
 
 @dataclass(frozen=True)
-class TritonAttentionBackend:
+class TritonAttentionBackend(TorchLayerOps):
     """Decodes (the leading one-token requests) run the split-KV decode kernel, the rest the
     extend kernel; both write rows of one output, so each row is written exactly once."""
 

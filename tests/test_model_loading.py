@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, MistralConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model_loader import CheckpointError, load_model
+from engine.model_loader import CheckpointError, checkpoint_destinations, load_model
 from engine.models import UnsupportedModelError, decoder_config_from_hf
 from engine.models.rope import RopeConfig, UnsupportedRopeError, inverse_frequencies
 
@@ -99,9 +99,25 @@ def test_sharded_checkpoints_load_every_shard(tiny_checkpoints):
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    destinations = checkpoint_destinations(model)
     for name, shard in index["weight_map"].items():
         expected = load_file(model_dir / shard)[name]
-        torch.testing.assert_close(model.state_dict()[name], expected, rtol=0, atol=0)
+        torch.testing.assert_close(destinations[name], expected, rtol=0, atol=0)
+
+
+def test_projections_of_one_input_are_packed_in_checkpoint_order(tiny_checkpoints):
+    model_dir = tiny_checkpoints["qwen2"]  # q/k/v biases too
+    weights = load_file(model_dir / "model.safetensors")
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    for packed, parts in (
+        (attention.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+        (mlp.gate_up_proj, ("gate_proj", "up_proj")),
+    ):
+        prefix = "model.layers.1.self_attn" if packed is attention.qkv_proj else "model.layers.1.mlp"
+        for kind in ("weight", "bias") if packed.bias is not None else ("weight",):
+            expected = torch.cat([weights[f"{prefix}.{part}.{kind}"] for part in parts])
+            torch.testing.assert_close(getattr(packed, kind), expected, rtol=0, atol=0)
 
 
 def test_tied_embeddings_share_one_tensor(tiny_checkpoints):

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from kernels.cpu_extension import load_cpu_kernels
 
 NUM_NEW_TOKENS = 12
 PROMPT_LENGTHS = [1, 3, 9, 16, 17, 31, 48, 70]  # below, at and across block boundaries
@@ -57,7 +58,16 @@ def hf_reference(tiny_model):
 
 @pytest.mark.parametrize("path", sorted(SCHEDULING_PATHS))
 def test_greedy_tokens_and_logprobs_match_hf(tiny_model, hf_reference, path):
-    assert_matches_hf(LLM(str(tiny_model), **SCHEDULING_PATHS[path]), hf_reference, path)
+    llm = LLM(str(tiny_model), **SCHEDULING_PATHS[path])
+    assert llm.engine.runner.backend.name == ("cpu" if load_cpu_kernels() else "torch")
+    assert_matches_hf(llm, hf_reference, path)
+
+
+def test_torch_backend_matches_hf(tiny_model, hf_reference):
+    """The pure torch path, the engine's fallback where the C++ kernels cannot be built."""
+    llm = LLM(str(tiny_model), attention_backend="torch", **SCHEDULING_PATHS["chunked_preempting"])
+    assert llm.engine.runner.backend.name == "torch"
+    assert_matches_hf(llm, hf_reference, "chunked_preempting")
 
 
 def test_triton_backend_matches_hf(tiny_model, hf_reference):

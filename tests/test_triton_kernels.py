@@ -5,99 +5,33 @@ is slow, so shapes stay small. Every case reads its keys through shuffled block 
 whose unused slots, padding block included, hold NaN, and writes into an output poisoned with NaN.
 """
 
-import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import AttentionMetadata, AttentionShape, PagedKV, paged_attention, select_attention_backend, store_kv
+from kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend, store_kv
 from kernels.triton_backend import num_decode_segments
 from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kernels.triton_extend_attention import paged_extend_attention
 from kernels.triton_store_kv import store_kv as triton_store_kv
+from tests.paged_batches import (
+    BLOCK_SIZE,
+    GQA_SHAPES,
+    HEAD_DIM,
+    PagedBatch,
+    assert_close,
+    empty_cache,
+    make_batch,
+    on_device,
+    poisoned_like,
+    reference,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-HEAD_DIM = 16
-BLOCK_SIZE = 4
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-GQA_SHAPES = [(4, 4), (8, 2), (16, 2), (6, 2)]  # (query heads, KV heads): ratios 1, 4, 8 and 3
-
-
-@dataclass
-class PagedBatch:
-    query: torch.Tensor  # [num_tokens, num_heads, head_dim], not contiguous
-    cache: PagedKV
-    metadata: AttentionMetadata
-
-
-def empty_cache(shape: tuple, dtype: torch.dtype, int8: bool) -> PagedKV:
-    """A cache whose every slot holds NaN (for int8 data, which cannot: NaN scales)."""
-    if not int8:
-        return PagedKV(torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
-    data = [torch.full(shape, -128, dtype=torch.int8) for _ in range(2)]
-    return PagedKV(*data, *(torch.full(shape[:-1], float("nan")) for _ in range(2)))
-
-
-def on_device(cache: PagedKV) -> PagedKV:
-    tensors = (cache.key, cache.value, cache.key_scale, cache.value_scale)
-    return PagedKV(*(None if t is None else t.to(DEVICE) for t in tensors))
-
-
-def make_batch(
-    query_lens, seq_lens, num_heads, num_kv_heads, dtype, seed=0, head_dim=HEAD_DIM, int8=False
-) -> PagedBatch:
-    """Random keys and values of every context position in shuffled blocks; block 0 and spare blocks
-    are never used and hold NaN, and block tables are padded with block 0. `int8`: an int8 cache."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
-    num_blocks = 1 + sum(blocks_per_seq) + 3
-    order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    tables = []
-    for n in blocks_per_seq:
-        tables.append(order[:n])
-        order = order[n:]
-    width = max(blocks_per_seq)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-
-    cache = empty_cache((num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), dtype, int8)
-    for table, seq_len in zip(tables, seq_lens, strict=True):
-        positions = torch.arange(seq_len)
-        slots = torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-        keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
-        values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
-        store_kv(keys, values, cache, slots)
-
-    num_tokens = sum(query_lens)
-    # A slice of a wider tensor, as the model's query is a view: strides are not those of a contiguous tensor.
-    wide = torch.randn(num_tokens, num_heads + 2, head_dim, generator=generator).to(dtype)
-    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # unused by attention
-        query_start_loc=query_start_loc.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables.to(DEVICE),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-    )
-    return PagedBatch(wide[:, 1 : num_heads + 1].to(DEVICE), on_device(cache), metadata)
-
-
-def reference(batch: PagedBatch) -> torch.Tensor:
-    """The torch path on fp32 copies: the answer 16-bit kernels are held to within their tolerance."""
-    cache = batch.cache
-    if not cache.quantized:
-        cache = PagedKV(cache.key.float(), cache.value.float())
-    return paged_attention(batch.query.float(), cache, batch.metadata, scale=HEAD_DIM**-0.5)
-
-
-def poisoned_like(query: torch.Tensor) -> torch.Tensor:
-    return torch.full(query.shape, float("nan"), dtype=query.dtype, device=query.device)
 
 
 def decode(batch: PagedBatch, num_segments: int, block_n: int = 16) -> torch.Tensor:
@@ -122,11 +56,6 @@ def extend(batch: PagedBatch, first_seq: int = 0, block_m: int = 16, block_n: in
     return out
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not actual.isnan().any(), "an output element was not written, or NaN leaked in"
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=TOLERANCE[dtype], rtol=0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_writes_each_token_to_its_slot_and_skips_negative_slots(dtype):
     num_blocks, num_kv_heads = 6, 3
@@ -139,7 +68,7 @@ def test_store_writes_each_token_to_its_slot_and_skips_negative_slots(dtype):
     expected = empty_cache(shape, dtype, int8=False)
     store_kv(key, value, expected, slot_mapping)
 
-    actual = on_device(empty_cache(shape, dtype, int8=False))
+    actual = on_device(empty_cache(shape, dtype, int8=False), DEVICE)
     triton_store_kv(key.to(DEVICE), value.to(DEVICE), actual, slot_mapping.to(DEVICE))
 
     torch.testing.assert_close(actual.key.cpu(), expected.key, equal_nan=True, atol=0, rtol=0)

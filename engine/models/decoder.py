@@ -8,9 +8,9 @@ through an `AttentionMetadata` passed down explicitly.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.models.layers import Linear, PackedLinear, RMSNorm
 from engine.models.rope import RopeConfig, RotaryEmbedding
 from kernels import AttentionBackend, AttentionMetadata, PagedKV
 
@@ -34,19 +34,6 @@ class DecoderConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementations, then cast back.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -60,10 +47,10 @@ class Attention(nn.Module):
             config.num_heads * config.head_dim,
             config.num_kv_heads * config.head_dim,
         )
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.qkv_proj = PackedLinear(
+            hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=config.qkv_bias
+        )
+        self.o_proj = Linear(q_size, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -73,12 +60,13 @@ class Attention(nn.Module):
 
     def forward(self, hidden, positions, kv_cache: PagedKV, metadata, backend: AttentionBackend):
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key, value = self.qkv_proj.split(hidden)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(positions, query, key)
+            query, key = self.q_norm(query, backend), self.k_norm(key, backend)
+        query, key = self.rotary(positions, query, key, backend)
         backend.store_kv(key, value, kv_cache, metadata.slot_mapping)
         out = backend.paged_attention(query, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -87,12 +75,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -103,9 +91,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, positions, kv_cache, metadata, backend):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, kv_cache, metadata, backend):
+        """(this layer's output, the residual stream before it); the next norm adds the two."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            hidden, residual = self.input_layernorm(hidden, backend), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, backend)
+        hidden = self.self_attn(hidden, positions, kv_cache, metadata, backend)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, backend)
+        return self.mlp(hidden, backend), residual
 
 
 class DecoderModel(nn.Module):
@@ -123,8 +117,12 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the LM head is the embedding matrix (again after the model is moved or allocated)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -136,10 +134,10 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of the packed tokens after the final norm."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, metadata, backend)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, kv_cache, metadata, backend)
+        return self.model.norm.add_and_norm(hidden, residual, backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import AttentionBackend
+
 
 class UnsupportedRopeError(ValueError):
     """The checkpoint asks for a rope type kvserve does not implement."""
@@ -84,23 +86,29 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin per position, applied to packed [num_tokens, heads, head_dim] tensors."""
+    """cos/sin tables [max_positions, head_dim] in fp32, applied by the backend to packed
+    [num_tokens, heads, head_dim] queries and keys."""
 
     def __init__(self, config: RopeConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq, attention_factor = inverse_frequencies(config)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.config = config
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, config.head_dim), persistent=False)
+        self.compute_tables()
+
+    def compute_tables(self) -> None:
+        """Fill cos and sin, in fp32, on the tables' device; a model built on the meta device calls
+        this again once its buffers are allocated (and after a cast to another dtype)."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        inv_freq, attention_factor = inverse_frequencies(self.config)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq.to(device))
         angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
+        self.cos = angles.cos() * attention_factor
+        self.sin = angles.sin() * attention_factor
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated_half * sin
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, backend: AttentionBackend):
+        return backend.rotary_embedding(positions, query, key, self.cos, self.sin)

@@ -1,0 +1,54 @@
+"""The CPU backend: the C++ kernels (KV store, decode attention, fused layer ops), torch SDPA for prompt chunks."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import torch_paged_attention
+from kernels.attention_metadata import AttentionMetadata
+from kernels.paged_kv import PagedKV
+
+
+@dataclass(frozen=True)
+class CpuAttentionBackend:
+    """Decodes (the leading one-token requests) go to one C++ call for the whole batch; prompt chunks
+    are few per step and long, and the torch path hands each to SDPA's flash kernel."""
+
+    name: str = "cpu"
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None:
+        torch.ops.kvserve_cpu.store_kv(
+            key, value, cache.key, cache.value, cache.key_scale, cache.value_scale, slot_mapping
+        )
+
+    def paged_attention(
+        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            torch.ops.kvserve_cpu.paged_decode_attention(
+                out[:num_decodes], query[:num_decodes], cache.key, cache.value, cache.key_scale,
+                cache.value_scale, metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes], scale,
+            )  # fmt: skip
+        torch_paged_attention.extend_attention(query, cache, metadata, scale, out, first_seq=num_decodes)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [tokens, heads, D]: a row per head
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        torch.ops.kvserve_cpu.rms_norm(out, rows, weight, eps)
+        return out.view(x.shape)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.ops.kvserve_cpu.add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        torch.ops.kvserve_cpu.silu_and_mul(out, x)
+        return out
+
+    def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.ops.kvserve_cpu.rotary_embedding(positions, query, key, cos, sin)
+        return query, key
