@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_memory import keep_freed_memory_resident
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, default_model_dir
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
@@ -53,6 +54,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device()
+        if self.device.type == "cpu":
+            keep_freed_memory_resident()
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         if config.model is None:
             logger.warning(RANDOM_WEIGHTS_NOTICE)
