@@ -4,7 +4,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestDelta, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "LLMEngine",
+    "RequestDelta",
     "RequestOutput",
     "SamplingParams",
     "TokenLogprob",

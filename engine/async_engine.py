@@ -1,9 +1,9 @@
 """AsyncLLMEngine: runs `LLMEngine` on its own thread and feeds per-request async streams.
 
 The HTTP event loop never runs a model step. Requests and aborts go to the engine thread
-through a command queue; after each step the thread hands every request's newest snapshot to
-its stream. A stream keeps only the newest snapshot (each one holds everything so far), so a
-slow reader costs no memory and never holds up the batch.
+through a command queue; after each step the thread hands the step's deltas to their streams in
+one call onto the event loop. A stream keeps the deltas its reader has not taken yet and hands
+them over merged, so a slow reader never holds up the batch and costs only the text it has not read.
 
 A failed model step fails the requests in flight and makes the engine unhealthy until a step
 succeeds (or, with no traffic to prove it, for `unhealthy_after_failure_s`); after
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.stats import StatsTracker, StepStats
 
@@ -44,37 +44,43 @@ STEP_FAILED_MESSAGE = "the model step failed while this request was in flight; t
 
 
 class RequestStream:
-    """Newest snapshot of one request, readable from the event loop."""
+    """The deltas of one request its reader has not taken yet; used on the event loop's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._latest: RequestOutput | None = None
+        self.loop = loop
+        self._deltas: list[RequestDelta] = []
         self._error: Exception | None = None
         self._changed = asyncio.Event()
         self.finished = False
 
-    def publish(self, output: RequestOutput) -> None:
-        """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._set, output, None)
+    def add(self, delta: RequestDelta) -> None:
+        self._deltas.append(delta)
+        self._changed.set()
+
+    def set_error(self, error: Exception) -> None:
+        self._error = error
+        self._changed.set()
 
     def fail(self, error: Exception) -> None:
         """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._set, None, error)
+        self.loop.call_soon_threadsafe(self.set_error, error)
 
-    def _set(self, output: RequestOutput | None, error: Exception | None) -> None:
-        self._latest, self._error = output or self._latest, error or self._error
-        self._changed.set()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         while not self.finished:
             await self._changed.wait()
             self._changed.clear()
             if self._error is not None:
                 self.finished = True
                 raise self._error
-            if self._latest is not None:
-                self.finished = self._latest.finished
-                yield self._latest
+            if self._deltas:
+                delta, self._deltas = RequestDelta.merge(self._deltas), []
+                self.finished = delta.finished
+                yield delta
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestDelta]]) -> None:
+    for stream, delta in deliveries:
+        stream.add(delta)
 
 
 @dataclass(frozen=True)
@@ -166,14 +172,14 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
 
     def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
     ) -> RequestStream:
-        """Validate and queue a request.
+        """Check `params` against the prompt (tokenized and checked by `engine.tokenize_prompt`) and queue it.
 
         Raises `InvalidRequestError`, `EngineOverloadedError` or `EngineUnavailableError` before
         anything is queued.
         """
-        prompt_token_ids = self.engine.check_request(prompt, params)
+        self.engine.check_params(len(prompt_token_ids), params)
         stream = RequestStream(loop)
         with self._lock:
             if self._refusal is not None:
@@ -199,7 +205,7 @@ class AsyncLLMEngine:
         while self._apply_commands(block=not self.engine.has_unfinished()):
             start_s = time.monotonic()
             try:
-                outputs = self.engine.step()
+                deltas = self.engine.step()
             except Exception:  # a failed step must not kill the loop or strand clients
                 logger.exception("engine step failed; failing the requests in flight")
                 if self._step_failed():
@@ -209,12 +215,9 @@ class AsyncLLMEngine:
                 self._num_failed_steps_in_a_row = 0
             self._last_progress_s = time.monotonic()
             self._num_running = len(self.engine.scheduler.running)
-            self._stats.stepped(self.engine.scheduler.last_output, outputs, start_s, self._last_progress_s)
+            self._stats.stepped(self.engine.scheduler.last_output, deltas, start_s, self._last_progress_s)
             self._report_stats()
-            for output in outputs:
-                stream = self._close(output.request_id) if output.finished else self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.publish(output)
+            self._publish(deltas)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts (waiting for one if `block`); returns False on shutdown."""
@@ -230,17 +233,27 @@ class AsyncLLMEngine:
             self._last_progress_s = time.monotonic()
             return True
 
+    def _publish(self, deltas: list[RequestDelta]) -> None:
+        """Hand a step's deltas to their streams in one call onto the event loop (one wake-up a step)."""
+        deliveries = []
+        for delta in deltas:
+            stream = self._close(delta.request_id) if delta.finished else self._streams.get(delta.request_id)
+            if stream is not None:
+                deliveries.append((stream, delta))
+        if deliveries:
+            deliveries[0][0].loop.call_soon_threadsafe(_deliver, deliveries)
+
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            output = self.engine.abort(command.request_id)
+            delta = self.engine.abort(command.request_id)
             self._stats.finished(command.request_id, "abort")
             stream = self._close(command.request_id)
-            if output is not None and stream is not None:
-                stream.publish(output)
+            if delta is not None and stream is not None:
+                stream.loop.call_soon_threadsafe(stream.add, delta)
             return
         self._stats.arrived(command.request_id, len(command.prompt_token_ids), command.arrival_s)
         try:
-            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
+            self.engine.enqueue(command.request_id, command.prompt_token_ids, command.params)
         except Exception as error:  # checked at submit; anything left is reported, not raised
             self._stats.finished(command.request_id, "error")
             self._streams[command.request_id] = command.stream

@@ -1,6 +1,6 @@
-"""Incremental detokenization and stop-string matching for one request's output."""
+"""Incremental detokenization and stop strings for one request's output."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -32,30 +32,45 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
 
-@dataclass
-class StopStringMatcher:
-    """Finds the earliest stop string in text that grows at its end."""
+class StopStringFilter:
+    """Releases a request's text as it grows, up to the first stop string.
 
-    stop: tuple[str, ...]
-    longest: int = field(init=False)
+    A stop string can only begin in text not yet released: each release holds back the longest tail
+    that is the start of some stop string, so no released position can begin one. Each step therefore
+    searches the held tail and the new text only, however long the output is.
+    """
 
-    def __post_init__(self) -> None:
-        self.longest = max((len(s) for s in self.stop), default=0)
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self._held = ""
 
-    def find(self, text: str, num_new_chars: int) -> int:
-        """Index in `text` where a stop string begins, or -1.
+    def push(self, new_text: str, can_stop: bool) -> tuple[str, bool]:
+        """(the text `new_text` releases, whether a stop string ended the text there).
 
-        Only the tail where the `num_new_chars` last characters could complete a stop string is searched.
+        Before `can_stop` (min_tokens not reached) stop strings do not end the text, but a possible
+        start of one is still held back.
         """
-        if not self.stop or not num_new_chars:
-            return -1
-        search_from = max(0, len(text) - num_new_chars - self.longest + 1)
-        hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
-        return min(hits, default=-1)
+        if not self.stop:
+            return new_text, False
+        pending = self._held + new_text
+        if can_stop:
+            stop_at = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+            if stop_at >= 0:
+                self._held = ""
+                return pending[:stop_at], True
+        num_held = self._num_pending_chars(pending)
+        self._held = pending[len(pending) - num_held :]
+        return pending[: len(pending) - num_held], False
 
-    def num_pending_chars(self, text: str) -> int:
-        """Length of the longest tail of `text` that begins some stop string: not safe to show yet."""
-        for length in range(min(self.longest - 1, len(text)), 0, -1):
+    def flush(self) -> str:
+        """Everything held back: the text ended without a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+    def _num_pending_chars(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string."""
+        longest = max(len(s) for s in self.stop)
+        for length in range(min(longest - 1, len(text)), 0, -1):
             tail = text[-length:]
             if any(stop.startswith(tail) for stop in self.stop):
                 return length

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -34,9 +34,14 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
+        deltas: dict[str, list[RequestDelta]] = {request_id: [] for request_id in request_ids}
         while self.engine.has_unfinished():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-        return [finished[request_id] for request_id in request_ids]
+            for delta in self.engine.step():
+                deltas[delta.request_id].append(delta)
+        outputs = []
+        for request_id, prompt in zip(request_ids, prompts, strict=True):
+            whole = RequestDelta.merge(deltas[request_id])
+            prompt_token_ids = self.engine.tokenize_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            outputs.append(RequestOutput(request_id, prompt_token_ids, whole.token_ids, whole.text, whole.logprobs,
+                                         whole.finish_reason))  # fmt: skip
+        return outputs

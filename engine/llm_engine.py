@@ -10,13 +10,13 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_memory import keep_freed_memory_resident
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, default_model_dir
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.errors import InvalidRequestError
 from engine.kv_sizing import kv_cache_budget_bytes
 from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampler import SampledToken, SamplingRow, sample
+from engine.outputs import RequestDelta, TokenLogprob
+from engine.sampler import PenaltyState, SampledToken, SamplingRow, sample
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from kernels import AttentionShape, select_attention_backend
@@ -28,26 +28,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _RequestState:
-    """Engine-side state of a request beside the scheduler's token state."""
+    """Engine-side state of a request beside the scheduler's token state: sampling, and what is
+    generated but not yet released (held back with text that may begin a stop string)."""
 
     request: Request
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # a seeded request's own
+    penalties: PenaltyState | None
     detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = field(default=None)
+    stop_filter: StopStringFilter
+    num_released_tokens: int = 0
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def snapshot(self) -> RequestOutput:
-        reason = self.request.finish_reason
-        return RequestOutput(
-            request_id=self.request.request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
-            token_ids=list(self.request.output_token_ids),
-            text=self.text,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=reason.value if reason is not None else None,
-        )
+    def release(self, text: str, finish_reason: str | None = None) -> RequestDelta:
+        """The tokens generated since the last release, with `text` and their logprobs."""
+        output_token_ids = self.request.output_token_ids
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs, self.held_logprobs = self.held_logprobs, []
+        token_ids = output_token_ids[self.num_released_tokens :]
+        self.num_released_tokens = len(output_token_ids)
+        return RequestDelta(self.request.request_id, token_ids, text, logprobs, finish_reason)
 
 
 class LLMEngine:
@@ -107,7 +108,7 @@ class LLMEngine:
             config.block_size,
         )
         self._states: dict[str, _RequestState] = {}
-        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self._request_counter = itertools.count()
         logger.info(
             "loaded %s (%s, %s on %s); KV cache (%s%s): %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes a token)",
@@ -129,40 +130,37 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self._states:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        prompt_token_ids = self.check_request(prompt, params)
-        generator = None
-        if not params.is_greedy:
-            seed = (
-                params.seed
-                if params.seed is not None
-                else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            )
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        prompt_token_ids = self.tokenize_prompt(prompt)
+        self.check_params(len(prompt_token_ids), params)
+        self.enqueue(request_id, prompt_token_ids, params)
+        return request_id
+
+    def check_params(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """`InvalidRequestError` unless `params` are valid and the request fits the context and the cache."""
+        params.validate(self.vocab_size)
+        self._check_fits(num_prompt_tokens, params.max_tokens)
+
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request whose prompt (`tokenize_prompt`) and params (`check_params`) were checked."""
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids)
         self.scheduler.add(request)
+        seeded = params.seed is not None and not params.is_greedy
         self._states[request_id] = _RequestState(
             request=request,
             params=params,
-            generator=generator,
+            generator=torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None,
+            penalties=PenaltyState.of(prompt_token_ids, self.vocab_size, self.device) if params.has_penalties else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            stop_matcher=StopStringMatcher(params.stop),
-            logprobs=[] if params.logprobs is not None else None,
+            stop_filter=StopStringFilter(params.stop),
         )
-        return request_id
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids if the request can be served; else `InvalidRequestError`. Changes nothing."""
-        prompt_token_ids = self.tokenize_prompt(prompt)
-        params.validate(self.vocab_size)
-        self._check_fits(len(prompt_token_ids), params.max_tokens)
-        return prompt_token_ids
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Remove a request wherever it is and free its blocks at once; None if it is unknown."""
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """Remove a request wherever it is and free its blocks at once; its last delta, or None if it is unknown."""
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        return self._states.pop(request_id).snapshot()
+        state = self._states.pop(request_id)
+        return state.release(state.stop_filter.flush(), FinishReason.ABORT.value)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -170,8 +168,8 @@ class LLMEngine:
     def kv_usage(self) -> KVUsage:
         return self.scheduler.kv_usage()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return a snapshot of every request that got a token this step."""
+    def step(self) -> list[RequestDelta]:
+        """Run one batch; return the delta of every request that released text or finished."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
@@ -179,50 +177,49 @@ class LLMEngine:
             self._states[item.request.request_id] for item in scheduler_output.scheduled if item.samples_next_token
         ]
         logits = self.runner.execute(scheduler_output)
-        sampled = sample(logits, [self._sampling_row(state) for state in states])
+        sampled = sample(logits, [self._sampling_row(state) for state in states], self._generator)
         self.scheduler.update(scheduler_output, [token.token_id for token in sampled])
-        outputs = []
+        deltas = []
         for state, token in zip(states, sampled, strict=True):
-            self._process_token(state, token)
-            if state.request.is_finished:
+            delta = self._process_token(state, token)
+            if delta is None:
+                continue
+            if delta.finished:
                 del self._states[state.request.request_id]
-            outputs.append(state.snapshot())
-        return outputs
+            deltas.append(delta)
+        return deltas
 
     def _sampling_row(self, state: _RequestState) -> SamplingRow:
-        params, output_token_ids = state.params, state.request.output_token_ids
+        params = state.params
         banned: tuple[int, ...] = ()
-        if len(output_token_ids) < params.min_tokens:
+        if len(state.request.output_token_ids) < params.min_tokens:
             banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        return SamplingRow(
-            params=params,
-            generator=state.generator,
-            prompt_token_ids=state.request.prompt_token_ids,
-            output_token_ids=output_token_ids,
-            banned_token_ids=banned,
-        )
+        return SamplingRow(params, state.generator, state.penalties, banned)
 
-    def _process_token(self, state: _RequestState, token: SampledToken) -> None:
-        """Append the token's text and logprobs, then finish the request if a stop condition holds.
+    def _process_token(self, state: _RequestState, token: SampledToken) -> RequestDelta | None:
+        """Detokenize the new token, finish the request if a stop condition holds, and release what is certain.
 
         A stop token (EOS unless ignored, or one of `stop_token_ids`) stays in `token_ids` but adds no text.
+        None when the step released nothing (text held back for a stop string or an incomplete character).
         """
         request, params = state.request, state.params
-        if state.logprobs is not None:
-            state.logprobs.append(TokenLogprob(token.token_id, token.logprob, token.top_logprobs))
+        if params.logprobs is not None:
+            state.held_logprobs.append(TokenLogprob(token.token_id, token.logprob, token.top_logprobs))
+        num_tokens = len(request.output_token_ids)
         if token.token_id in params.stop_token_ids or (not params.ignore_eos and token.token_id in self.eos_token_ids):
-            self.scheduler.finish(request, FinishReason.STOP)
-            return
+            return self._finish(state, state.stop_filter.flush(), FinishReason.STOP)
         new_text = state.detokenizer.decode_new(request.output_token_ids)
-        state.text += new_text
         # Like EOS and stop ids, stop strings only count once min_tokens tokens exist.
-        can_stop = len(request.output_token_ids) >= params.min_tokens
-        stop_at = state.stop_matcher.find(state.text, len(new_text) if can_stop else 0)
-        if stop_at >= 0:
-            state.text = state.text[:stop_at]
-            self.scheduler.finish(request, FinishReason.STOP)
-        elif len(request.output_token_ids) >= params.max_tokens:
-            self.scheduler.finish(request, FinishReason.LENGTH)
+        text, stopped = state.stop_filter.push(new_text, can_stop=num_tokens >= params.min_tokens)
+        if stopped:
+            return self._finish(state, text, FinishReason.STOP)
+        if num_tokens >= params.max_tokens:
+            return self._finish(state, text + state.stop_filter.flush(), FinishReason.LENGTH)
+        return state.release(text) if text else None
+
+    def _finish(self, state: _RequestState, text: str, reason: FinishReason) -> RequestDelta:
+        self.scheduler.finish(state.request, reason)
+        return state.release(text, reason.value)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text or token-id prompt; `InvalidRequestError` if empty or outside the vocabulary."""

@@ -1,4 +1,4 @@
-"""What the engine reports about a request after each step."""
+"""What the engine reports about a request: a delta after each step, and the whole of it offline."""
 
 from dataclasses import dataclass
 
@@ -11,15 +11,50 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class RequestDelta:
+    """What a step released of one request: text that can no longer change, the tokens behind it, and
+    their logprobs (None unless asked for).
+
+    Text that could still be the start of a stop string, or is an incomplete character, is held back
+    with its tokens until it is certain; a finished request's last delta releases everything left.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop", "length" or "abort" on the last delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def merge(cls, deltas: "list[RequestDelta]") -> "RequestDelta":
+        """Consecutive deltas of one request as one."""
+        last = deltas[-1]
+        if len(deltas) == 1:
+            return last
+        logprobs = None if last.logprobs is None else [entry for delta in deltas for entry in delta.logprobs]
+        return cls(
+            request_id=last.request_id,
+            token_ids=[token_id for delta in deltas for token_id in delta.token_ids],
+            text="".join(delta.text for delta in deltas),
+            logprobs=logprobs,
+            finish_reason=last.finish_reason,
+        )
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of one request: everything generated so far, and why it finished if it did."""
+    """A whole request, as the offline API returns it: its deltas merged."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None
 
     @property
     def finished(self) -> bool:

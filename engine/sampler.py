@@ -1,4 +1,13 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request generators, logprobs."""
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Every step's rows are sampled by tensor ops over the whole batch (or the rows that use a feature);
+the only per-row work is one noise draw for each seeded request. The results come back to the host
+in one transfer at the end (`to_host`), so a step on a GPU waits on the device once.
+
+Randomness: each request with a `seed` has its own generator, so it samples the same tokens alone or
+in any batch. Requests without a seed share the engine's generator (seeded from the engine's
+`seed`), drawn for all of them at once: their tokens depend on what else is in the batch.
+"""
 
 from dataclasses import dataclass
 
@@ -8,48 +17,90 @@ from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class PenaltyState:
+    """A request's token counts for the penalties, kept on the device: which tokens its prompt holds,
+    and how often each was generated (updated after every step, never rebuilt)."""
+
+    prompt_mask: torch.Tensor  # [vocab_size] bool
+    output_counts: torch.Tensor  # [vocab_size] float32
+
+    @classmethod
+    def of(cls, prompt_token_ids: list[int], vocab_size: int, device: torch.device) -> "PenaltyState":
+        prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        prompt_mask[to_device(prompt_token_ids, torch.long, device)] = True
+        return cls(prompt_mask, torch.zeros(vocab_size, device=device))
+
+    def count(self, token_ids: torch.Tensor) -> None:
+        self.output_counts.index_add_(0, token_ids, torch.ones(len(token_ids), device=token_ids.device))
+
+
+@dataclass(frozen=True)
 class SamplingRow:
     """One request's row in a sampling batch."""
 
     params: SamplingParams
-    generator: torch.Generator | None  # None for greedy rows
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # a seeded request's own; None: the batch's shared generator
+    penalties: PenaltyState | None = None  # for requests with penalties
     banned_token_ids: tuple[int, ...] = ()  # never sampled this step (EOS and stop ids before min_tokens)
 
 
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless the request asked for logprobs
     top_logprobs: list[tuple[int, float]]  # empty unless the request asked for logprobs
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    """Pick one token per row of logits [num_rows, vocab_size] (fp32)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if any(row.params.has_penalties for row in rows):
-        logits = _apply_penalties(logits, rows)
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting: through pinned memory, copied asynchronously."""
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of device tensors on the host, after one wait for the device."""
+    copies = [tensor.to("cpu", non_blocking=True) for tensor in tensors]
+    if tensors and tensors[0].device.type == "cuda":
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return copies
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
+) -> list[SampledToken]:
+    """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows."""
+    device = logits.device
+    logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    # Logprobs come from the raw logits, before penalties and temperature.
+    raw_logprobs = torch.log_softmax(logits[to_device(logprob_rows, torch.long, device)], -1) if logprob_rows else None
+    penalized = [i for i, row in enumerate(rows) if row.penalties is not None]
+    if penalized:
+        logits = _apply_penalties(logits, [rows[i] for i in penalized], to_device(penalized, torch.long, device))
     if any(row.banned_token_ids for row in rows):
         logits = _ban_tokens(logits, rows)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
-    return _gather_logprobs(logprobs, token_ids, rows)
+        index = to_device(random_rows, torch.long, device)
+        token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows], generator)
+    for i in penalized:
+        rows[i].penalties.count(token_ids[i : i + 1])
+    return _read_back(token_ids, raw_logprobs, logprob_rows, rows)
 
 
 def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    pairs = [(i, token_id) for i, row in enumerate(rows) for token_id in row.banned_token_ids]
+    row_index, token_index = zip(*pairs, strict=True)
     logits = logits.clone()
-    for i, row in enumerate(rows):
-        if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
+    logits[to_device(row_index, torch.long, logits.device), to_device(token_index, torch.long, logits.device)] = float(
+        "-inf"
+    )
     return logits
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    temperatures = torch.tensor([row.params.temperature for row in rows], device=logits.device)
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+    device = logits.device
+    temperatures = to_device([row.params.temperature for row in rows], torch.float32, device)
     # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf instead of
     # overflowing to inf (softmax NaN); the clamp keeps a temperature that rounds to 0 in fp32 from 0/0.
     logits = logits - logits.amax(dim=-1, keepdim=True)
@@ -57,11 +108,12 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if any(_filters_tokens(row.params) for row in rows):
         logits = _apply_top_k_top_p_min_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each row draws its noise
-    # from its own generator, so a seeded request samples the same tokens in any batch.
-    noise = torch.stack(
-        [torch.empty(probs.shape[1], device=probs.device).exponential_(generator=row.generator) for row in rows]
-    )
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Unseeded rows draw their noise
+    # together; a seeded row draws its own from its generator, the same in any batch.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
     return (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
 
 
@@ -75,9 +127,9 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> t
     device = logits.device
     # top_k <= 0 keeps every token, and so does one beyond the vocabulary: clamped, as 2**63 would overflow int64.
     num_kept_by_top_k = [min(row.params.top_k, vocab_size) if row.params.top_k > 0 else vocab_size for row in rows]
-    top_k = torch.tensor(num_kept_by_top_k, device=device)
-    top_p = torch.tensor([row.params.top_p for row in rows], device=device)
-    min_p = torch.tensor([row.params.min_p for row in rows], device=device)
+    top_k = to_device(num_kept_by_top_k, torch.long, device)
+    top_p = to_device([row.params.top_p for row in rows], torch.float32, device)
+    min_p = to_device([row.params.min_p for row in rows], torch.float32, device)
 
     sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=device)[None, :]
@@ -94,36 +146,42 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> t
     return logits.masked_fill(excluded_by_token, float("-inf"))
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], index: torch.Tensor) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens; presence and frequency over output tokens."""
-    num_rows, vocab_size = logits.shape
     device = logits.device
-    output_counts = torch.zeros(num_rows, vocab_size, device=device)
-    seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
-    for i, row in enumerate(rows):
-        if row.output_token_ids:
-            output_ids = torch.tensor(row.output_token_ids, device=device)
-            output_counts[i].index_add_(0, output_ids, torch.ones(len(output_ids), device=device))
-        seen[i, torch.tensor(row.prompt_token_ids, dtype=torch.long, device=device)] = True
-    seen |= output_counts > 0
-
-    repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]
-    presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)[:, None]
-    frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[:, None]
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
-    return logits - frequency * output_counts - presence * (output_counts > 0).float()
+    output_counts = torch.stack([row.penalties.output_counts for row in rows])
+    seen = torch.stack([row.penalties.prompt_mask for row in rows]) | (output_counts > 0)
+    repetition = to_device([row.params.repetition_penalty for row in rows], torch.float32, device)[:, None]
+    presence = to_device([row.params.presence_penalty for row in rows], torch.float32, device)[:, None]
+    frequency = to_device([row.params.frequency_penalty for row in rows], torch.float32, device)[:, None]
+    selected = logits[index]
+    penalised = torch.where(selected > 0, selected / repetition, selected * repetition)
+    selected = torch.where(seen, penalised, selected)
+    selected = selected - frequency * output_counts - presence * (output_counts > 0).float()
+    return logits.index_copy(0, index, selected)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-    max_top = max((row.params.logprobs or 0 for row in rows), default=0)
-    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+def _read_back(
+    token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, logprob_rows: list[int], rows: list[SamplingRow]
+) -> list[SampledToken]:
+    if raw_logprobs is None:
+        (host_ids,) = to_host([token_ids])
+        return [SampledToken(token_id, None, []) for token_id in host_ids.tolist()]
+    sampled_ids = token_ids[to_device(logprob_rows, torch.long, token_ids.device)]
+    sampled = raw_logprobs.gather(1, sampled_ids[:, None]).squeeze(1)
+    max_top = max(rows[i].params.logprobs for i in logprob_rows)
+    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
+    host_ids, host_sampled, host_top_values, host_top_ids = (
+        t.tolist() for t in to_host([token_ids, sampled, top_values, top_ids])
+    )
+    logprobs = {row: j for j, row in enumerate(logprob_rows)}
     result = []
-    for i, (row, token_id) in enumerate(zip(rows, token_ids.tolist(), strict=True)):
-        num_top = row.params.logprobs or 0
-        top = []
-        if num_top:
-            top = list(zip(top_ids[i, :num_top].tolist(), top_values[i, :num_top].tolist(), strict=True))
-        result.append(SampledToken(token_id=token_id, logprob=sampled_logprobs[i], top_logprobs=top))
+    for i, token_id in enumerate(host_ids):
+        j = logprobs.get(i)
+        if j is None:
+            result.append(SampledToken(token_id, None, []))
+            continue
+        num_top = rows[i].params.logprobs
+        top = list(zip(host_top_ids[j][:num_top], host_top_values[j][:num_top], strict=True))
+        result.append(SampledToken(token_id, host_sampled[j], top))
     return result

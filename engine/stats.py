@@ -8,7 +8,7 @@ per scheduled request, so it costs the loop next to nothing.
 
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta
 from kvcache import KVUsage
 from scheduler import RequestStatus, Scheduler, SchedulerOutput
 
@@ -76,8 +76,9 @@ class StatsTracker:
     def arrived(self, request_id: str, num_prompt_tokens: int, arrival_s: float) -> None:
         self._times[request_id] = _RequestTimes(arrival_s, num_prompt_tokens)
 
-    def stepped(self, output: SchedulerOutput, outputs: list[RequestOutput], start_s: float, end_s: float) -> None:
-        """Account for one model step: what it batched and the tokens it produced (at `end_s`)."""
+    def stepped(self, output: SchedulerOutput, deltas: list[RequestDelta], start_s: float, end_s: float) -> None:
+        """Account for one model step: what it batched, the tokens it produced (at `end_s`; held back or
+        not) and the requests it finished."""
         pending = self._pending
         # One model step per loop iteration, so these describe that step (for the per-step histograms).
         pending.num_batched_requests = len(output.scheduled)
@@ -87,13 +88,20 @@ class StatsTracker:
             times = self._times.get(item.request.request_id)
             if times is not None and times.first_scheduled_s is None:
                 times.first_scheduled_s = start_s
-        for request_output in outputs:
-            self._on_token(request_output, end_s)
+            if times is not None and item.samples_next_token:
+                self._on_token(times, end_s)
+        for delta in deltas:
+            if delta.finished:
+                self.finished(delta.request_id, delta.finish_reason)
 
     def finished(self, request_id: str, reason: str) -> None:
-        """A request that ended outside a step (abort, failure)."""
-        if self._times.pop(request_id, None) is not None:
-            self._pending.finish_reasons.append(reason)
+        """A request that ended, in a step or outside one (abort, failure)."""
+        times = self._times.pop(request_id, None)
+        if times is None:
+            return
+        self._pending.finish_reasons.append(reason)
+        if reason in ("stop", "length"):
+            self._pending.completed.append(_completed(times))
 
     def collect(self, scheduler: Scheduler) -> StepStats:
         """Everything since the last call, with the queues and KV cache as they are now."""
@@ -119,14 +127,10 @@ class StatsTracker:
         self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit
         return stats
 
-    def _on_token(self, output: RequestOutput, now_s: float) -> None:
-        times = self._times.get(output.request_id)
-        if times is None:
-            return
+    def _on_token(self, times: _RequestTimes, now_s: float) -> None:
         pending = self._pending
-        num_tokens = len(output.token_ids)
-        pending.num_generation_tokens += num_tokens - times.num_generation_tokens
-        times.num_generation_tokens = num_tokens
+        pending.num_generation_tokens += 1
+        times.num_generation_tokens += 1
         if times.first_token_s is None:
             times.first_token_s = now_s
             pending.num_prompt_tokens += times.num_prompt_tokens
@@ -134,12 +138,6 @@ class StatsTracker:
         else:
             pending.inter_token_latency_s.append(now_s - times.last_token_s)
         times.last_token_s = now_s
-        if output.finish_reason is None:
-            return
-        del self._times[output.request_id]
-        pending.finish_reasons.append(output.finish_reason)
-        if output.finish_reason in ("stop", "length"):
-            pending.completed.append(_completed(times))
 
 
 @dataclass

@@ -70,9 +70,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     choices = [
         ChatChoice(
             index=choice.index,
-            message=ChatResponseMessage(content=choice.output.text),
-            logprobs=_logprobs(ctx, choice.output.logprobs) if choice.output.logprobs is not None else None,
-            finish_reason=choice.output.finish_reason,
+            message=ChatResponseMessage(content=choice.text),
+            logprobs=_logprobs(ctx, choice.logprobs) if choice.logprobs is not None else None,
+            finish_reason=choice.finish_reason,
         )
         for choice in generation.choices
     ]
@@ -91,11 +91,11 @@ async def _stream_chunks(
         delta = {"role": "assistant", "content": ""}
         yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": None,
                                               "finish_reason": None}])  # fmt: skip
-    async for choice, text, entries in generation.deltas():
-        logprobs = _logprobs(ctx, entries).model_dump() if entries is not None else None
-        delta = {"content": text} if text else {}
-        yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": choice.output.finish_reason}])  # fmt: skip
+    async for choice, delta in generation.deltas():
+        logprobs = _logprobs(ctx, delta.logprobs).model_dump() if delta.logprobs is not None else None
+        content = {"content": delta.text} if delta.text else {}
+        yield generation.chunk(object_name, [{"index": choice.index, "delta": content, "logprobs": logprobs,
+                                              "finish_reason": delta.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         yield generation.chunk(object_name, [], generation.usage())
 

@@ -42,10 +42,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     choices = []
     for choice in generation.choices:
         prefix = echoes[choice.index // body.n]
-        output = choice.output
-        logprobs = _logprobs(ctx, output.logprobs, len(prefix)) if output.logprobs is not None else None
-        choices.append(CompletionChoice(index=choice.index, text=prefix + output.text, logprobs=logprobs,
-                                        finish_reason=output.finish_reason))  # fmt: skip
+        logprobs = _logprobs(ctx, choice.logprobs, len(prefix)) if choice.logprobs is not None else None
+        choices.append(CompletionChoice(index=choice.index, text=prefix + choice.text, logprobs=logprobs,
+                                        finish_reason=choice.finish_reason))  # fmt: skip
     response = CompletionResponse(
         id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
         usage=generation.usage(),
@@ -80,15 +79,15 @@ async def _stream_chunks(
             prefix = echoes[choice.index // body.n]
             yield generation.chunk(object_name, [{"index": choice.index, "text": prefix, "logprobs": None,
                                                   "finish_reason": None}])  # fmt: skip
-    async for choice, text, entries in generation.deltas():
+    async for choice, delta in generation.deltas():
         logprobs = None
-        if entries is not None:
+        if delta.logprobs is not None:
             offset = text_offsets.get(choice.index, 0)
-            logprobs = _logprobs(ctx, entries, offset)
+            logprobs = _logprobs(ctx, delta.logprobs, offset)
             text_offsets[choice.index] = offset + sum(len(t) for t in logprobs.tokens)
             logprobs = logprobs.model_dump()
-        yield generation.chunk(object_name, [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": choice.output.finish_reason}])  # fmt: skip
+        yield generation.chunk(object_name, [{"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                                              "finish_reason": delta.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         yield generation.chunk(object_name, [], generation.usage())
 

@@ -4,13 +4,12 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
-from engine import RequestOutput, SamplingParams, TokenLogprob
+from engine import RequestDelta, SamplingParams, TokenLogprob
 from engine.async_engine import AsyncLLMEngine, RequestStream
-from engine.detokenizer import StopStringMatcher
 from server.errors import APIError, to_api_error
 from server.protocol import Usage, now_s
 
@@ -19,30 +18,25 @@ DISCONNECT_POLL_S = 0.25
 
 @dataclass
 class Choice:
-    """One generated sequence (prompt index x n) and how much of it was already sent."""
+    """One generated sequence (prompt index x n): what the engine has released of it so far."""
 
     index: int
-    prompt_token_ids: list[int]
-    stop_matcher: StopStringMatcher
-    output: RequestOutput | None = None
-    num_sent_chars: int = 0
-    num_sent_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
 
-    def visible_text(self) -> str:
-        """Text that can no longer be cut by a stop string: all of it once finished."""
-        text = self.output.text
-        return text if self.output.finished else text[: len(text) - self.stop_matcher.num_pending_chars(text)]
+    def add(self, delta: RequestDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.text_parts.append(delta.text)
+        if delta.logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason
 
-    def take_delta(self) -> tuple[str, int, int]:
-        """(new text, first new token index, end token index) since the last call."""
-        text = self.visible_text()
-        if len(text) == self.num_sent_chars and not self.output.finished:
-            # Nothing to show yet (held back for a stop string or an incomplete character): the tokens
-            # wait too, so their logprobs go out with their text instead of in a chunk that is never sent.
-            return "", self.num_sent_tokens, self.num_sent_tokens
-        delta, self.num_sent_chars = text[self.num_sent_chars :], len(text)
-        first_token, self.num_sent_tokens = self.num_sent_tokens, len(self.output.token_ids)
-        return delta, first_token, self.num_sent_tokens
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
 
 class Generation:
@@ -72,7 +66,7 @@ class Generation:
                         choice_params = replace(params, seed=params.seed + sample_index)
                     index = prompt_index * n + sample_index
                     stream = self.engine.submit(self._engine_id(index), prompt_token_ids, choice_params, loop)
-                    self.choices.append(Choice(index, prompt_token_ids, StopStringMatcher(params.stop)))
+                    self.choices.append(Choice(index))
                     self._streams.append(stream)
         except Exception:
             self.abort()
@@ -80,19 +74,17 @@ class Generation:
 
     def abort(self) -> None:
         for choice in self.choices:
-            if choice.output is None or not choice.output.finished:
+            if choice.finish_reason is None:
                 self.engine.abort(self._engine_id(choice.index))
 
-    async def updates(self) -> AsyncIterator[Choice]:
-        """Each choice every time it has new output, until all are finished; aborts on exit."""
+    async def updates(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+        """Each choice with its delta every time it has new output, until all are finished; aborts on exit."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice, stream: RequestStream) -> None:
             try:
-                async for output in stream:
-                    # The snapshot travels with the choice: a reader still busy with an older one must
-                    # not see a newer one twice (and count a finish twice).
-                    queue.put_nowait((choice, output))
+                async for delta in stream:
+                    queue.put_nowait((choice, delta))
             except Exception as error:
                 queue.put_nowait(error)
 
@@ -103,26 +95,24 @@ class Generation:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                choice, choice.output = item
-                num_finished += choice.output.finished
-                yield choice
+                choice, delta = item
+                choice.add(delta)
+                num_finished += delta.finished
+                yield choice, delta
         finally:
             for task in tasks:
                 task.cancel()
             self.abort()
 
-    async def deltas(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob] | None]]:
-        """Each choice's new text and the logprobs of the tokens behind it; updates with nothing to send are skipped."""
-        async for choice in self.updates():
-            text, first_token, end_token = choice.take_delta()
-            if not text and choice.output.finish_reason is None:
-                continue
-            logprobs = choice.output.logprobs
-            yield choice, text, (logprobs[first_token:end_token] if logprobs is not None else None)
+    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+        """Each choice's deltas that carry text or a finish reason."""
+        async for choice, delta in self.updates():
+            if delta.text or delta.finished:
+                yield choice, delta
 
     def usage(self) -> Usage:
         """Each prompt's tokens once (whatever n is), and every choice's generated tokens."""
-        completion_tokens = sum(len(choice.output.token_ids) for choice in self.choices)
+        completion_tokens = sum(len(choice.token_ids) for choice in self.choices)
         return Usage.of(sum(len(prompt) for prompt in self._prompts), completion_tokens)
 
     def chunk(self, object_name: str, choices: list[dict], usage: Usage | None = None) -> dict:

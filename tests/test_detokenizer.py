@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringFilter
 
 CORPUS = resources.files("engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
 # Beyond the corpus: characters the tokenizer never merged, so each is split into single-byte tokens.
@@ -86,44 +86,58 @@ def test_special_tokens_are_skipped_or_kept_as_asked(tokenizer, skip_special_tok
     assert ("<|eos|>" in streamed) is not skip_special_tokens
 
 
-def _feed(matcher: StopStringMatcher, pieces: list[str]) -> tuple[int, int]:
-    """Grow the text piece by piece; return (index of the piece that completed a stop string, its position)."""
-    text = ""
+def _feed(stop_filter: StopStringFilter, pieces: list[str]) -> tuple[int, str]:
+    """Push the pieces one by one: (index of the piece that completed a stop string or -1, all text released)."""
+    released = ""
     for i, piece in enumerate(pieces):
-        text += piece
-        position = matcher.find(text, len(piece))
-        if position >= 0:
-            return i, position
-    return -1, -1
+        text, stopped = stop_filter.push(piece, can_stop=True)
+        released += text
+        if stopped:
+            return i, released
+    return -1, released + stop_filter.flush()
 
 
 def test_a_stop_string_split_across_several_increments_is_found_when_its_last_piece_arrives():
     pieces = ["Once upon a ti", "me th", "e", "re was a town"]
-    assert _feed(StopStringMatcher(("time there",)), pieces) == (3, len("Once upon a "))
+    assert _feed(StopStringFilter(("time there",)), pieces) == (3, "Once upon a ")
 
 
 def test_a_stop_string_arriving_one_character_at_a_time_is_found():
     text = "the end of the story"
-    assert _feed(StopStringMatcher(("the story",)), list(text)) == (len(text) - 1, text.index("the story"))
+    assert _feed(StopStringFilter(("the story",)), list(text)) == (len(text) - 1, text[: text.index("the story")])
 
 
 def test_a_multi_byte_stop_string_is_found():
     pieces = ["🚀 ", "こんにち", "は世", "界"]
-    assert _feed(StopStringMatcher(("は世界",)), pieces) == (3, "".join(pieces).index("は世界"))
+    assert _feed(StopStringFilter(("は世界",)), pieces) == (3, "🚀 こんにち")
 
 
 def test_the_earliest_of_several_stop_strings_wins():
-    matcher = StopStringMatcher(("world", "o w", "Hello there"))
-    assert matcher.find("Hello world", len("Hello world")) == len("Hell")
+    assert _feed(StopStringFilter(("world", "o w", "Hello there")), ["Hello world"]) == (0, "Hell")
 
 
 def test_the_earliest_match_wins_whatever_the_lengths_and_the_order_of_the_stop_strings():
-    matcher = StopStringMatcher(("a long stop string", "x"))
-    assert matcher.find("ya long stop string x", len(" string x")) == 1
-    assert matcher.find("yxa long stop string", len(" string")) == 1
+    assert _feed(StopStringFilter(("a long stop string", "x")), ["ya long stop", " string x"]) == (1, "y")
+    assert _feed(StopStringFilter(("a long stop string", "x")), ["yxa long stop", " string"]) == (0, "y")
 
 
 def test_text_without_any_stop_string_has_no_match():
-    assert StopStringMatcher(()).find("anything at all", 15) == -1
-    assert _feed(StopStringMatcher(("stop", "end")), ["s to", "p", "s e", "nds"]) == (3, 7)
-    assert _feed(StopStringMatcher(("stop",)), ["s to", "p", "s"]) == (-1, -1)
+    assert _feed(StopStringFilter(()), ["anything at all"]) == (-1, "anything at all")
+    assert _feed(StopStringFilter(("stop", "end")), ["s to", "p", "s e", "nds"]) == (3, "s tops ")
+    assert _feed(StopStringFilter(("stop",)), ["s to", "p", "s"]) == (-1, "s tops")
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back_until_it_cannot():
+    stop_filter = StopStringFilter(("stop here",))
+    assert stop_filter.push("we st", can_stop=True) == ("we ", False)  # "st" may begin it
+    assert stop_filter.push("op h", can_stop=True) == ("", False)  # "stop h" still may
+    assert stop_filter.push("ollow", can_stop=True) == ("stop hollow", False)  # now it cannot
+    assert stop_filter.push(" stop here", can_stop=True) == (" ", True)
+
+
+def test_before_min_tokens_a_stop_string_is_plain_text_though_its_start_is_still_held_back():
+    stop_filter = StopStringFilter(("end",))
+    assert stop_filter.push("the e", can_stop=False) == ("the ", False)
+    assert stop_filter.push("nd", can_stop=False) == ("end", False)  # whole, but not allowed to stop yet
+    assert stop_filter.push(" e", can_stop=True) == (" ", False)
+    assert stop_filter.push("nd", can_stop=True) == ("", True)

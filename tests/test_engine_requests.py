@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from engine import LLM, InvalidRequestError, SamplingParams
+from engine import LLM, InvalidRequestError, RequestDelta, SamplingParams
 
 PROMPT = "Once upon a time there was a small town"
 MAX_MODEL_LEN = 512  # max_position_embeddings of the tiny configs
@@ -22,13 +22,28 @@ def llm(tiny_checkpoints) -> LLM:
 
 @pytest.fixture(scope="module")
 def greedy_steps(llm) -> list[tuple[list[int], str]]:
-    """(token ids, text) of a greedy run of PROMPT after each step."""
+    """(token ids, text) of a greedy run of PROMPT after each step: the tokens generated, the text released."""
     request_id = llm.engine.add_request(PROMPT, GREEDY)
-    steps = []
+    request = llm.engine.scheduler.get(request_id)
+    steps, text = [], ""
     while llm.engine.has_unfinished():
-        steps.extend((out.token_ids, out.text) for out in llm.engine.step() if out.request_id == request_id)
+        text += "".join(delta.text for delta in llm.engine.step() if delta.request_id == request_id)
+        steps.append((list(request.output_token_ids), text))
     assert len(steps) == GREEDY.max_tokens
     return steps
+
+
+def _step(engine, released: dict[str, list[RequestDelta]]) -> None:
+    """One engine step, its deltas added to each request's list."""
+    for delta in engine.step():
+        released.setdefault(delta.request_id, []).append(delta)
+
+
+def _run_to_end(engine, released: dict[str, list[RequestDelta]]) -> dict[str, RequestDelta]:
+    """Step until nothing is left; every request's deltas merged into one."""
+    while engine.has_unfinished():
+        _step(engine, released)
+    return {request_id: RequestDelta.merge(deltas) for request_id, deltas in released.items()}
 
 
 def _assert_nothing_left(llm: LLM) -> None:
@@ -174,19 +189,16 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
     assert outputs[2].token_ids == alone.token_ids
 
     # Companions that join while it decodes, and one that leaves early.
-    engine = llm.engine
+    engine, released = llm.engine, {}
     request_id = engine.add_request(PROMPT, SEEDED)
     for _ in range(5):
-        engine.step()
+        _step(engine, released)
     leaver = engine.add_request("At night the town was quiet", SEEDED)
     for prompt, companion_params in companions:
         engine.add_request(prompt, companion_params)
-    engine.step()
+    _step(engine, released)
     engine.abort(leaver)
-    final = {}
-    while engine.has_unfinished():
-        final.update((out.request_id, out) for out in engine.step() if out.finished)
-    assert final[request_id].token_ids == alone.token_ids
+    assert _run_to_end(engine, released)[request_id].token_ids == alone.token_ids
 
 
 # Validation
@@ -297,35 +309,32 @@ def test_aborting_a_waiting_request_removes_it(llm):
 
 
 def test_aborting_a_running_request_frees_its_blocks_at_once(llm, greedy_steps):
-    engine = llm.engine
+    engine, released = llm.engine, {}
     long_prompt = LONG_PROMPT[:70]  # 5 blocks of 16 tokens
     aborted = engine.add_request(long_prompt, GREEDY)
     kept = engine.add_request(PROMPT, GREEDY)
     for _ in range(3):
-        engine.step()
+        _step(engine, released)
     blocks_of_kept = len(engine.scheduler.get(kept).block_ids)
     assert engine.kv_usage().num_used_blocks == len(engine.scheduler.get(aborted).block_ids) + blocks_of_kept
 
-    output = engine.abort(aborted)
+    last = engine.abort(aborted)
 
-    assert output.finish_reason == "abort"
-    assert len(output.token_ids) == 3
+    assert last.finish_reason == "abort"
+    assert len(RequestDelta.merge([*released.pop(aborted, []), last]).token_ids) == 3
     assert engine.kv_usage().num_used_blocks == blocks_of_kept
-    outputs = []
-    while engine.has_unfinished():
-        outputs.extend(engine.step())
-    assert aborted not in {out.request_id for out in outputs}
-    assert outputs[-1].request_id == kept
-    assert outputs[-1].token_ids == greedy_steps[-1][0]  # the other request is unaffected
+    outputs = _run_to_end(engine, released)
+    assert set(outputs) == {kept}  # nothing more of the aborted request
+    assert outputs[kept].token_ids == greedy_steps[-1][0]  # the other request is unaffected
     _assert_nothing_left(llm)
 
 
 def test_aborting_the_only_running_request_frees_everything(llm):
-    request_id = llm.engine.add_request(PROMPT, GREEDY)
+    request_id, released = llm.engine.add_request(PROMPT, GREEDY), {}
     for _ in range(4):
-        llm.engine.step()
+        _step(llm.engine, released)
     assert llm.engine.kv_usage().num_used_blocks > 0
-    output = llm.engine.abort(request_id)
+    output = RequestDelta.merge([*released.get(request_id, []), llm.engine.abort(request_id)])
     assert (output.finish_reason, len(output.token_ids)) == ("abort", 4)
     _assert_nothing_left(llm)
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SamplingRow, sample
+from engine.sampler import PenaltyState, SamplingRow, sample
 from engine.sampling_params import SamplingParams
 
 # Six tokens with known probabilities, placed at shuffled positions so no filter can rely on the index order.
@@ -25,8 +25,13 @@ def _tokens_with_top_probs(n: int) -> set[int]:
     return set(POSITIONS[:n])
 
 
-def _row(params: SamplingParams, generator=None, prompt=(0,), output=()) -> SamplingRow:
-    return SamplingRow(params, generator, list(prompt), list(output))
+def _row(params: SamplingParams, generator=None, prompt=(0,), output=(), vocab_size: int = 64) -> SamplingRow:
+    """A row whose penalty counts (if it has penalties) hold `prompt` and `output`."""
+    penalties = None
+    if params.has_penalties:
+        penalties = PenaltyState.of(list(prompt), vocab_size, torch.device("cpu"))
+        penalties.count(torch.tensor(output, dtype=torch.long))
+    return SamplingRow(params, generator, penalties)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, num_draws: int = NUM_DRAWS, seed: int = 0) -> list[int]:
@@ -37,7 +42,7 @@ def _draw(logits: torch.Tensor, params: SamplingParams, num_draws: int = NUM_DRA
 
 
 def _greedy_choice(logits: list[float], params: SamplingParams, prompt=(), output=()) -> int:
-    return sample(torch.tensor([logits]), [_row(params, None, prompt, output)])[0].token_id
+    return sample(torch.tensor([logits]), [_row(params, None, prompt, output, len(logits))])[0].token_id
 
 
 def test_greedy_picks_the_argmax_of_each_row():
@@ -145,7 +150,7 @@ def test_seeded_row_samples_the_same_tokens_alone_and_in_any_batch():
         # Each step has other neighbours, in another number, at another position, with their own generators.
         num_before, num_companions = step % 3, 2 + step % 4
         others = [
-            _row(params, None if params.is_greedy else torch.Generator().manual_seed(100 * step + i))
+            _row(params, None if params.is_greedy else torch.Generator().manual_seed(100 * step + i), vocab_size=48)
             for i, params in enumerate(companions[:num_companions])
         ]
         rows = [*others[:num_before], _row(seeded, batch_generator), *others[num_before:]]
@@ -255,7 +260,8 @@ def test_penalties_apply_to_random_rows_too():
     params = SamplingParams(temperature=0.05, repetition_penalty=100.0)
     generator = torch.Generator().manual_seed(0)
     logits = torch.tensor([5.0, 2.0, -5.0]).expand(50, -1).clone()
-    assert {token.token_id for token in sample(logits, [_row(params, generator, prompt=(0,))] * 50)} == {1}
+    rows = [_row(params, generator, prompt=(0,), vocab_size=3)] * 50
+    assert {token.token_id for token in sample(logits, rows)} == {1}
 
 
 def test_logprobs_are_the_log_softmax_of_the_raw_logits():
@@ -263,13 +269,14 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits():
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     # Penalties, temperature and filters change which token is picked, never the reported logprobs.
     rows = [
-        _row(SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.8), prompt=(1, 2, 3)),
+        _row(SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.8), prompt=(1, 2, 3), vocab_size=40),
         _row(SamplingParams(temperature=0.3, top_k=3, logprobs=20), torch.Generator().manual_seed(0)),
         _row(
             SamplingParams(temperature=2.0, presence_penalty=1.5, logprobs=0),
             torch.Generator().manual_seed(1),
             (4,),
             (5, 5),
+            vocab_size=40,
         ),
     ]
     tokens = sample(logits, rows)

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from engine import RequestOutput, SamplingParams
+from engine import RequestDelta, SamplingParams
 from engine.async_engine import RequestStream
 from server.generation import Generation
 
@@ -580,8 +580,8 @@ def test_version_health_docs_and_openapi_are_served(server):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(schema.json()["paths"])
 
 
-def test_each_choice_finishes_once_even_when_its_snapshots_queue_up_behind_a_slow_reader():
-    """While the reader is busy sending a chunk, one choice can get two snapshots, the last one finished:
+def test_each_choice_finishes_once_even_when_its_deltas_queue_up_behind_a_slow_reader():
+    """While the reader is busy sending a chunk, one choice can get two deltas, the last one finished:
     the reader must see them in order, report that choice finished once, and still wait for the others."""
 
     class FakeEngine:
@@ -595,8 +595,8 @@ def test_each_choice_finishes_once_even_when_its_snapshots_queue_up_behind_a_slo
         def abort(self, request_id) -> None:
             pass
 
-    def snapshot(index: int, token_ids: list[int], finish_reason: str | None) -> RequestOutput:
-        return RequestOutput(f"cmpl-x-{index}", [1], token_ids, "ab"[: len(token_ids)], None, finish_reason)
+    def delta(index: int, token_id: int, finish_reason: str | None) -> RequestDelta:
+        return RequestDelta(f"cmpl-x-{index}", [token_id], "ab"[token_id - 5], None, finish_reason)
 
     async def settle() -> None:
         for _ in range(5):
@@ -607,14 +607,15 @@ def test_each_choice_finishes_once_even_when_its_snapshots_queue_up_behind_a_slo
         generation = Generation(engine, "cmpl-x", "tiny-llama", on_disconnect=lambda: None)
         generation.submit([[1]], SamplingParams(), n=2)
         updates = generation.updates()
-        engine.streams["cmpl-x-1"].publish(snapshot(1, [5], None))
-        seen = [((choice := await anext(updates)).index, choice.output.finish_reason)]
-        engine.streams["cmpl-x-0"].publish(snapshot(0, [5], None))
+        engine.streams["cmpl-x-1"].add(delta(1, 5, None))
+        seen = [((choice := (await anext(updates))[0]).index, choice.finish_reason)]
+        engine.streams["cmpl-x-0"].add(delta(0, 5, None))
         await settle()
-        engine.streams["cmpl-x-0"].publish(snapshot(0, [5, 6], "length"))
+        engine.streams["cmpl-x-0"].add(delta(0, 6, "length"))
         await settle()
-        engine.streams["cmpl-x-1"].publish(snapshot(1, [5, 6], "length"))
-        seen += [(choice.index, choice.output.finish_reason) async for choice in updates]
+        engine.streams["cmpl-x-1"].add(delta(1, 6, "length"))
+        seen += [(choice.index, choice.finish_reason) async for choice, _ in updates]
+        assert [(choice.token_ids, choice.text) for choice in generation.choices] == [([5, 6], "ab"), ([5, 6], "ab")]
         return seen
 
     assert asyncio.run(read_all()) == [(1, None), (0, None), (0, "length"), (1, "length")]
