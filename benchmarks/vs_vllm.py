@@ -39,7 +39,8 @@ STARTUP_TIMEOUT_S = 900
 SERVE_CLIENT_ARGS = [
     "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
     "--random-range-ratio", "0.5", "--num-prompts", "96", "--max-concurrency", "32", "--ignore-eos",
-    "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+    "--seed", "0", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+    "--metric-percentiles", "50,90,99",
 ]  # fmt: skip
 
 
