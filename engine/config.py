@@ -26,7 +26,9 @@ class EngineConfig:
     enable_chunked_prefill: compute long prompts over several steps, beside the decodes.
     max_prefill_chunk_tokens: cap on one request's prefill chunk per step; None means the budget.
     enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of computing them again.
-    attention_backend: "auto" (the Triton kernels on CUDA, the torch path on CPU), "triton" or "torch".
+    attention_backend: "auto" (the Triton kernels on CUDA, the C++ kernels on a CPU, the torch path where
+        they cannot be built), "triton", "cpu" or "torch".
+    enforce_eager: run every step eagerly; by default, on CUDA, pure-decode steps replay CUDA graphs.
     """
 
     model: str | None = None
@@ -44,6 +46,7 @@ class EngineConfig:
     max_model_len: int | None = None
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_memory import keep_freed_memory_resident
+from engine.decode_graphs import capture_sizes
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, default_model_dir
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.errors import InvalidRequestError
@@ -93,7 +94,12 @@ class LLMEngine:
         budget_bytes = kv_cache_budget_bytes(config, self.model, spec, backend, self.device, max_num_batched_tokens)
         num_blocks = spec.num_blocks_for_budget(budget_bytes)
         self.kv_cache = KVCache.allocate(spec, num_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, backend, self.device, config.max_num_seqs, max_num_batched_tokens,
+            self.max_model_len,
+        )  # fmt: skip
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs))
 
         self.scheduler = Scheduler(
             SchedulerConfig(

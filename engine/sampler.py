@@ -52,9 +52,11 @@ class SampledToken:
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting: through pinned memory, copied asynchronously."""
+    """A small host list on the device without waiting (on CUDA through pinned memory, copied asynchronously)."""
     tensor = torch.tensor(values, dtype=dtype)
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -11,6 +11,8 @@ decode path folds the K scales into the scores and the V scales into the probabi
 prefill/extend path dequantizes the gathered context and hands it to SDPA.
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +31,8 @@ def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache slots; slots < 0 are skipped."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache slots (all >= 0: unlike the
+    kernels', which skip negative slots, this path has no way to skip one without reading the mapping)."""
     for new, data, scale in ((key, cache.key, cache.key_scale), (value, cache.value, cache.value_scale)):
         if cache.quantized:
             new, new_scale = quantize_per_token_head(new)
@@ -54,7 +54,7 @@ def extend_attention(
     query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float, out: torch.Tensor, first_seq: int
 ) -> None:
     """Write the attention rows of requests `first_seq`, ... (prompts and prompt chunks) into `out`."""
-    starts = metadata.query_start_loc.tolist()
+    starts = list(itertools.accumulate(metadata.query_lens_cpu, initial=0))
     for i in range(first_seq, metadata.num_seqs):
         keys, values, key_scale, value_scale = _context(cache, metadata, i)
         if cache.quantized:

@@ -43,7 +43,11 @@ class KVCacheSpec:
 
 @dataclass
 class KVCache:
-    """The paged K and V tensors of every layer (and their scales for an int8 cache; else empty lists)."""
+    """The paged K and V tensors of every layer (and their scales for an int8 cache; else empty lists).
+
+    Besides the `num_blocks` the allocator hands out, the tensors hold one more, the padding block
+    (`padding_block`, the last): the rows a padded batch adds read and write only there.
+    """
 
     spec: KVCacheSpec
     num_blocks: int
@@ -54,7 +58,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> "KVCache":
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         num_scale_layers = spec.num_layers if spec.quantized else 0
 
         def tensors(count: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -68,6 +72,10 @@ class KVCache:
             key_scales=tensors(num_scale_layers, shape[:-1], SCALE_DTYPE),
             value_scales=tensors(num_scale_layers, shape[:-1], SCALE_DTYPE),
         )
+
+    @property
+    def padding_block(self) -> int:
+        return self.num_blocks
 
     @property
     def num_tokens(self) -> int:

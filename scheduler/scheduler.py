@@ -26,6 +26,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self._left_running: list[str] = []  # since the last schedule()
         # The latest step's decision, kept for the engine's stats (batch size, queue and prefill times).
         self.last_output = SchedulerOutput(scheduled=[])
 
@@ -67,7 +68,8 @@ class Scheduler:
         scheduled_items = list(scheduled.values())
         if not preempted:
             self._admit_waiting(token_budget, scheduled_items)
-        self.last_output = SchedulerOutput(scheduled=scheduled_items, preempted=preempted)
+        left_running, self._left_running = self._left_running, []
+        self.last_output = SchedulerOutput(scheduled=scheduled_items, preempted=preempted, left_running=left_running)
         return self.last_output
 
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> None:
@@ -89,6 +91,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._left_running.append(request.request_id)
         else:
             self.waiting.remove(request)
         self._release_blocks(request)
@@ -197,6 +200,7 @@ class Scheduler:
 
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
+        self._left_running.append(request.request_id)
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

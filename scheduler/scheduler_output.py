@@ -26,8 +26,12 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """`left_running`: ids of the requests that left the running batch (finished, aborted or preempted)
+    since the previous output, so whoever keeps per-request state for running requests can drop it."""
+
     scheduled: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
+    left_running: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

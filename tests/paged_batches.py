@@ -91,3 +91,9 @@ def poisoned_like(query: torch.Tensor) -> torch.Tensor:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     assert not actual.isnan().any(), "an output element was not written, or NaN leaked in"
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def reference_store(key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None:
+    """The torch store for a mapping with negative slots, which the kernels skip (the torch path takes none)."""
+    valid = slot_mapping >= 0
+    store_kv(key[valid], value[valid], cache, slot_mapping[valid])

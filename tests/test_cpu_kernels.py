@@ -8,7 +8,7 @@ into an output poisoned with NaN, as the Triton tests do.
 import pytest
 import torch
 
-from kernels import AttentionShape, paged_attention, select_attention_backend, store_kv, torch_layer_ops
+from kernels import AttentionShape, paged_attention, select_attention_backend, torch_layer_ops
 from kernels.cpu_backend import CpuAttentionBackend
 from kernels.cpu_extension import load_cpu_kernels
 from tests.paged_batches import (
@@ -20,6 +20,7 @@ from tests.paged_batches import (
     make_batch,
     poisoned_like,
     reference,
+    reference_store,
 )
 
 CPU = torch.device("cpu")
@@ -53,7 +54,7 @@ def test_store_writes_as_the_torch_path_does_and_skips_negative_slots(dtype, int
     value[2] = 0.0  # a zero vector: scale 0, data 0
     shape = (6, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     expected, actual = empty_cache(shape, dtype, int8), empty_cache(shape, dtype, int8)
-    store_kv(key, value, expected, slot_mapping)
+    reference_store(key, value, expected, slot_mapping)
     BACKEND.store_kv(key, value, actual, slot_mapping)
     for name in ("key", "value", "key_scale", "value_scale"):
         if getattr(expected, name) is not None:

@@ -17,7 +17,7 @@ from kernels import (
 )
 from kernels.triton_store_kv import store_kv as triton_store_kv
 from kvcache import KVCacheSpec
-from tests.paged_batches import HEAD_DIM, empty_cache, make_batch, on_device
+from tests.paged_batches import HEAD_DIM, empty_cache, make_batch, on_device, reference_store
 from tests.test_triton_kernels import DEVICE
 
 INT8_BLOCK_BYTES = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.int8).bytes_per_block
@@ -59,7 +59,7 @@ def test_triton_store_quantizes_as_the_torch_path_does(dtype):
     value[2] = 0.0  # a zero vector among them
     shape = (4, 4, 2, HEAD_DIM)
     expected = empty_cache(shape, dtype, int8=True)
-    store_kv(key, value, expected, slot_mapping)
+    reference_store(key, value, expected, slot_mapping)
     actual = on_device(empty_cache(shape, dtype, int8=True), DEVICE)
     triton_store_kv(key.to(DEVICE), value.to(DEVICE), actual, slot_mapping.to(DEVICE))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend, store_kv
+from kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend
 from kernels.triton_backend import num_decode_segments
 from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kernels.triton_extend_attention import paged_extend_attention
@@ -29,6 +29,7 @@ from tests.paged_batches import (
     on_device,
     poisoned_like,
     reference,
+    reference_store,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,7 +67,7 @@ def test_store_writes_each_token_to_its_slot_and_skips_negative_slots(dtype):
     value = torch.randn(len(slot_mapping), num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     expected = empty_cache(shape, dtype, int8=False)
-    store_kv(key, value, expected, slot_mapping)
+    reference_store(key, value, expected, slot_mapping)
 
     actual = on_device(empty_cache(shape, dtype, int8=False), DEVICE)
     triton_store_kv(key.to(DEVICE), value.to(DEVICE), actual, slot_mapping.to(DEVICE))

@@ -1,0 +1,131 @@
+"""The step path: inputs in persistent buffers, block tables grown in place, one transfer back per
+step, and padded decode batches replayed through captured graphs."""
+
+import random
+
+import pytest
+import torch
+
+import engine.sampler
+from engine import LLM, SamplingParams
+from engine.decode_graphs import EagerReplay, capture_sizes
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import PenaltyState, SamplingRow, sample
+from engine.step_inputs import BlockTableRows
+from kernels import TorchAttentionBackend
+from kernels.cpu_extension import load_cpu_kernels
+from kvcache import BlockAllocator, KVCache, KVCacheSpec
+from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+
+META = torch.device("meta")
+
+
+def test_a_step_reads_nothing_back_from_the_device_but_the_sampled_tokens(tiny_checkpoints, monkeypatch):
+    """The model, its cache and every device buffer on the meta device, which holds no values: reading
+    one back (.item(), .tolist(), a boolean mask, a host copy) fails there. Steps of prompt chunks,
+    decodes and preemptions, with greedy, random, penalised and logprob rows, reach their one
+    transfer back, which this test answers in the device's place. (The torch backend stands in for
+    the C++ and Triton kernels, which run only on their own devices.)"""
+    model = load_model(tiny_checkpoints["qwen3"], torch.float32, META)
+    config = model.config
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, block_size=16)
+    num_blocks = 8
+    runner = ModelRunner(
+        model, KVCache.allocate(spec, num_blocks, META), TorchAttentionBackend(), META, max_num_seqs=6,
+        max_num_batched_tokens=40, max_model_len=512,
+    )  # fmt: skip
+    scheduler_config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=40, enable_chunked_prefill=True)
+    scheduler = Scheduler(scheduler_config, BlockAllocator(num_blocks), 16)
+    transfers = []
+
+    def to_host(tensors):
+        assert all(tensor.device == META for tensor in tensors)
+        transfers.append([tuple(tensor.shape) for tensor in tensors])
+        return [torch.full(tensor.shape, 7, dtype=tensor.dtype) for tensor in tensors]
+
+    monkeypatch.setattr(engine.sampler, "to_host", to_host)
+    rng = random.Random(0)
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, logprobs=3),
+        SamplingParams(temperature=1.0, frequency_penalty=0.2),
+    ]
+    rows = {}
+    for i in range(9):
+        request_id = str(i)
+        prompt = [rng.randrange(4, config.vocab_size) for _ in range(rng.randint(3, 60))]
+        scheduler.add(Request(request_id=request_id, prompt_token_ids=prompt))
+        params = kinds[i % len(kinds)]
+        penalties = PenaltyState.of(prompt, config.vocab_size, META) if params.has_penalties else None
+        rows[request_id] = SamplingRow(params, None, penalties, banned_token_ids=(1, 2) if i == 3 else ())
+    num_steps = 0
+    while scheduler.num_unfinished and num_steps < 200:
+        output = scheduler.schedule()
+        logits = runner.execute(output)
+        sampling = [rows[item.request.request_id] for item in output.scheduled if item.samples_next_token]
+        tokens = [token.token_id for token in sample(logits, sampling)]
+        assert len(transfers) == num_steps + 1  # one transfer back, at the end of sampling
+        scheduler.update(output, tokens)
+        for item in output.scheduled:
+            if len(item.request.output_token_ids) >= 20:
+                scheduler.finish(item.request, FinishReason.LENGTH)
+        num_steps += 1
+    assert not scheduler.num_unfinished
+    assert scheduler.num_preemptions > 0  # 8 blocks of 16 tokens cannot hold six requests of up to 80 tokens
+    assert any(len(shapes) == 4 for shapes in transfers)  # token ids, sampled logprobs, top values, top ids
+
+
+def test_block_table_rows_grow_in_place_and_rows_are_reused():
+    table = BlockTableRows(max_num_seqs=3, max_blocks_per_seq=4, padding_block=99, device=torch.device("cpu"))
+    first = Request(request_id="a", prompt_token_ids=[1], block_ids=[5])
+    second = Request(request_id="b", prompt_token_ids=[1], block_ids=[7, 8])
+    row_a, row_b = table.row_of(first), table.row_of(second)
+    assert row_a != row_b and table.padding_row not in (row_a, row_b)
+    first.block_ids += [9, 11]
+    assert table.row_of(first) == row_a
+    assert table.device_table[row_a, :3].tolist() == [5, 9, 11]
+    assert table.device_table[table.padding_row].tolist() == [99] * 4
+    table.release("a")
+    third = Request(request_id="c", prompt_token_ids=[1], block_ids=[3])
+    assert table.row_of(third) == row_a  # the freed row, rewritten from its first block
+    assert table.device_table[row_a, 0].item() == 3
+
+
+@pytest.mark.skipif(not load_cpu_kernels(), reason="the eager replay reads device buffers only with the C++ kernels")
+def test_padded_decode_graphs_give_the_eager_tokens(tiny_checkpoints):
+    """Decode steps padded to a ladder of sizes and replayed (eagerly here, as CUDA graphs on a GPU):
+    batches that shrink as requests finish and grow as new ones join, between prompt chunks that run
+    eagerly. Padding rows write only the padding block, so every request's tokens are the eager
+    engine's."""
+    model_dir = str(tiny_checkpoints["llama"])
+    prompts = [[4 + (7 * i + j) % 300 for j in range(5 + 9 * i)] for i in range(7)]
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True, logprobs=0) for i in range(7)]
+    settings = {"max_num_seqs": 5, "max_num_batched_tokens": 32}
+    expected = LLM(model_dir, **settings).generate(prompts, params)
+
+    llm = LLM(model_dir, **settings)
+    llm.engine.runner.capture_decode_graphs(capture_sizes(5), kind=EagerReplay)
+    graphs = llm.engine.runner.decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 5]
+    replays = []
+    for size, graph in graphs.graphs.items():
+        replay = graph.replay
+        graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+    padding_block = llm.engine.kv_cache.padding_block
+    outputs = llm.generate(prompts, params)
+
+    assert {3, 4, 5} & set(replays)  # batches of 3 padded to 4, and more, were replayed
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert llm.engine.kv_usage().num_used_blocks == 0
+    assert llm.engine.kv_cache.key_caches[0][padding_block].abs().sum() > 0  # padding rows wrote there
+
+
+def test_capture_sizes_ladder():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
