@@ -98,8 +98,10 @@ class LLMEngine:
             self.model, self.kv_cache, backend, self.device, config.max_num_seqs, max_num_batched_tokens,
             self.max_model_len,
         )  # fmt: skip
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs))
+        if self.device.type == "cuda":
+            logger.info("kernels compiled and warmed up in %.1f s", self.runner.warm_up())
+            if not config.enforce_eager:
+                self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs))
 
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -1,6 +1,8 @@
 """Turns a `SchedulerOutput` into model inputs, runs the model (or replays a captured decode graph),
 and returns the logits of the requests that sample."""
 
+import time
+
 import torch
 
 from engine.decode_graphs import DecodeGraphs
@@ -8,7 +10,7 @@ from engine.models import DecoderForCausalLM
 from engine.step_inputs import InputBuffers, StepInputs
 from kernels import AttentionBackend, PagedKV
 from kvcache import KVCache
-from scheduler import SchedulerOutput
+from scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
 def paged_kv_layers(kv_cache: KVCache) -> list[PagedKV]:
@@ -44,6 +46,24 @@ class ModelRunner:
         """Capture pure-decode forwards at `sizes` (CUDA graphs; `kind` may stand in another replay)."""
         extra = {"kind": kind} if kind is not None else {}
         self.decode_graphs = DecodeGraphs.capture(self.forward, self.inputs, sizes, self.max_model_len, **extra)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run a prompt chunk, then a decode beside a chunk, in the padding block alone, so every kernel
+        variant a step launches is compiled before the first request; returns the seconds it took."""
+        start_s = time.monotonic()
+        size = self.kv_cache.spec.block_size
+        chunk = Request("warm-up-chunk", prompt_token_ids=[0] * size, block_ids=[self.kv_cache.padding_block])
+        decode = Request("warm-up-decode", prompt_token_ids=[0, 0], num_computed_tokens=1, block_ids=chunk.block_ids)
+        for scheduled in ([chunk], [decode, chunk]):
+            self.execute(
+                SchedulerOutput([ScheduledRequest.of(request, request.num_uncomputed_tokens) for request in scheduled])
+            )
+        for request in (chunk, decode):
+            self.inputs.block_tables.release(request.request_id)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic() - start_s
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels import triton_layer_ops
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import AttentionShape
 from kernels.paged_kv import PagedKV
-from kernels.torch_layer_ops import TorchLayerOps
 from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kernels.triton_extend_attention import paged_extend_attention
 from kernels.triton_store_kv import store_kv
@@ -28,7 +28,7 @@ def num_decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, targ
 
 
 @dataclass(frozen=True)
-class TritonAttentionBackend(TorchLayerOps):
+class TritonAttentionBackend:
     """Decodes (the leading one-token requests) run the split-KV decode kernel, the rest the
     extend kernel; both write rows of one output, so each row is written exactly once."""
 
@@ -79,3 +79,15 @@ class TritonAttentionBackend(TorchLayerOps):
             out=out,
         )
         return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return triton_layer_ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_layer_ops.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return triton_layer_ops.silu_and_mul(x)
+
+    def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_layer_ops.rotary_embedding(positions, query, key, cos, sin)

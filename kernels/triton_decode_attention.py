@@ -124,7 +124,7 @@ def _decode_segment_kernel(
     tl.store(partial_lse_ptr + seq * stride_pl_seq + heads * stride_pl_head + segment, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])
 def _merge_segments_kernel(
     partial_out_ptr,
     partial_lse_ptr,
@@ -259,7 +259,7 @@ def paged_decode_attention(
         *partial_out.stride()[:3],
         *partial_lse.stride()[:2],
         *out.stride(),
-        SEGMENTS_PAD=triton.next_power_of_2(num_segments),
+        SEGMENTS_PAD=triton.next_power_of_2(workspace.max_segments),  # one compiled variant for any count
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
     )

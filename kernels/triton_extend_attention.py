@@ -19,7 +19,7 @@ from kernels.triton_common import dot_in_fp32, dot_precision, padded, scale_args
 from kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])  # it changes every step: one compiled variant for all
 def _extend_kernel(
     query_ptr,
     key_cache_ptr,

@@ -9,8 +9,9 @@ import torch
 import engine.sampler
 from engine import LLM, SamplingParams
 from engine.decode_graphs import EagerReplay, capture_sizes
+from engine.kv_sizing import prefill_batch
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, paged_kv_layers
 from engine.sampler import PenaltyState, SamplingRow, sample
 from engine.step_inputs import BlockTableRows
 from kernels import TorchAttentionBackend
@@ -129,3 +130,28 @@ def test_capture_sizes_ladder():
     assert capture_sizes(5) == [1, 2, 4, 5]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_warm_up_runs_a_chunk_and_a_mixed_step_in_the_padding_block_alone(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_memory_bytes=1 << 20)
+    cache = llm.engine.kv_cache
+    before = [key[: cache.num_blocks].clone() for key in cache.key_caches]
+    assert llm.engine.runner.warm_up() > 0
+    assert all(key[: cache.num_blocks].equal(old) for key, old in zip(cache.key_caches, before, strict=True))
+    assert cache.key_caches[0][cache.padding_block].abs().sum() > 0
+    # Its rows are free again: a full batch still gets one each.
+    prompts = [[5 + i, 6, 7] for i in range(llm.engine.config.max_num_seqs)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert all(len(output.token_ids) == 2 for output in outputs)
+
+
+def test_the_memory_probe_splits_its_prefill_into_prompts_within_the_context(tiny_checkpoints):
+    positions, metadata, num_blocks = prefill_batch(100, 40, 16, torch.device("cpu"))
+    assert metadata.query_lens_cpu == [40, 40, 20]
+    assert positions.max().item() == 39 and metadata.query_start_loc.tolist() == [0, 40, 80, 100]
+    assert metadata.slot_mapping.unique().numel() == 100 and metadata.slot_mapping.max().item() < num_blocks * 16
+    model = load_model(tiny_checkpoints["llama"], torch.float32, torch.device("cpu"))
+    spec = KVCacheSpec(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, torch.float32)
+    caches = paged_kv_layers(KVCache.allocate(spec, num_blocks, torch.device("cpu")))
+    hidden = model(torch.zeros(100, dtype=torch.long), positions, caches, metadata, TorchAttentionBackend())
+    assert hidden.shape == (100, model.config.hidden_size) and hidden.isfinite().all()

@@ -21,6 +21,7 @@ from kernels.paged_kv import INT8_MAX
 from kernels.triton_common import padded
 from kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
 from kernels.triton_extend_attention import _extend_kernel
+from kernels.triton_layer_ops import SILU_BLOCK, _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
 from kernels.triton_store_kv import _store_kv_kernel
 
 INT32_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")
@@ -31,8 +32,10 @@ def signature(kernel, data_type: str, int8_cache: bool, constexprs: dict) -> dic
     for name in kernel.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
-        elif name == "slot_mapping_ptr":
+        elif name in ("slot_mapping_ptr", "positions_ptr"):
             types[name] = "*i64"
+        elif name in ("cos_ptr", "sin_ptr"):
+            types[name] = "*fp32"
         elif name in INT32_POINTERS:
             types[name] = "*i32"
         elif name.startswith("partial_") or name.endswith("_scale_ptr"):
@@ -41,7 +44,7 @@ def signature(kernel, data_type: str, int8_cache: bool, constexprs: dict) -> dic
             types[name] = "*i8" if int8_cache else f"*{data_type}"
         elif name.endswith("_ptr"):
             types[name] = f"*{data_type}"
-        elif name == "scale":
+        elif name in ("scale", "eps"):
             types[name] = "fp32"
         else:
             types[name] = "i32"  # strides and counts
@@ -71,6 +74,14 @@ def kernel_configs(
         "GROUP_SIZE": group, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded(head_dim), "BLOCK_SIZE": block_size,
         "BLOCK_M": 64, "BLOCK_N": 64, **dot,
     }  # fmt: skip
+    hidden = num_heads * head_dim
+    for size in (hidden, head_dim):  # the layer norms, and Qwen3's per-head q/k norm
+        for add_residual in (False, True):
+            yield _rms_norm_kernel, {
+                "SIZE": size, "SIZE_PAD": triton.next_power_of_2(size), "ADD_RESIDUAL": add_residual
+            }  # fmt: skip
+    yield _silu_and_mul_kernel, {"BLOCK": SILU_BLOCK}
+    yield _rotary_kernel, {"HALF": head_dim // 2, "HALF_PAD": triton.next_power_of_2(head_dim // 2)}
 
 
 def main() -> None:
