@@ -1,35 +1,23 @@
 """Incremental detokenization and stop strings for one request's output."""
 
-from dataclasses import dataclass
-
-REPLACEMENT_CHAR = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
-@dataclass
 class IncrementalDetokenizer:
-    """Turns a growing list of output token ids into text, one step at a time.
+    """Turns a request's output tokens into text as they arrive, one token at a time.
 
-    Decoding a window that starts a few tokens back keeps the tokenizer's context (leading
-    spaces, merged bytes); text ending in U+FFFD is an incomplete multi-byte character and
-    is held back until the tokens that complete it arrive.
+    The tokenizers library's `DecodeStream` keeps the tokenizer's context (leading spaces, merged
+    bytes) over a short window and holds back an incomplete multi-byte character until the tokens
+    that complete it arrive: one call into the Rust tokenizer per token, however long the output.
     """
 
-    tokenizer: object
-    skip_special_tokens: bool = True
-    prefix_offset: int = 0
-    read_offset: int = 0
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
-    def decode_new(self, token_ids: list[int]) -> str:
-        """Text added by the tokens appended since the last call ('' while a character is incomplete)."""
-        decode = self.tokenizer.decode
-        prefix_text = decode(
-            token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens
-        )
-        full_text = decode(token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        return full_text[len(prefix_text) :]
+    def push(self, token_id: int) -> str:
+        """The text `token_id` adds ('' while a character is incomplete)."""
+        return self._stream.step(self._tokenizer, token_id) or ""
 
 
 class StopStringFilter:

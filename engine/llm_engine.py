@@ -2,7 +2,7 @@
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,8 +34,7 @@ class _RequestState:
 
     request: Request
     params: SamplingParams
-    generator: torch.Generator | None  # a seeded request's own
-    penalties: PenaltyState | None
+    sampling_row: SamplingRow  # its generator (seeded requests) and penalty counts; what it bans is per step
     detokenizer: IncrementalDetokenizer
     stop_filter: StopStringFilter
     num_released_tokens: int = 0
@@ -153,11 +152,15 @@ class LLMEngine:
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids)
         self.scheduler.add(request)
         seeded = params.seed is not None and not params.is_greedy
+        sampling_row = SamplingRow(
+            params,
+            generator=torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None,
+            penalties=PenaltyState.of(prompt_token_ids, self.vocab_size, self.device) if params.has_penalties else None,
+        )
         self._states[request_id] = _RequestState(
             request=request,
             params=params,
-            generator=torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None,
-            penalties=PenaltyState.of(prompt_token_ids, self.vocab_size, self.device) if params.has_penalties else None,
+            sampling_row=sampling_row,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             stop_filter=StopStringFilter(params.stop),
         )
@@ -199,10 +202,10 @@ class LLMEngine:
 
     def _sampling_row(self, state: _RequestState) -> SamplingRow:
         params = state.params
-        banned: tuple[int, ...] = ()
-        if len(state.request.output_token_ids) < params.min_tokens:
-            banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        return SamplingRow(params, state.generator, state.penalties, banned)
+        if len(state.request.output_token_ids) >= params.min_tokens:
+            return state.sampling_row
+        banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
+        return replace(state.sampling_row, banned_token_ids=banned)
 
     def _process_token(self, state: _RequestState, token: SampledToken) -> RequestDelta | None:
         """Detokenize the new token, finish the request if a stop condition holds, and release what is certain.
@@ -216,7 +219,7 @@ class LLMEngine:
         num_tokens = len(request.output_token_ids)
         if token.token_id in params.stop_token_ids or (not params.ignore_eos and token.token_id in self.eos_token_ids):
             return self._finish(state, state.stop_filter.flush(), FinishReason.STOP)
-        new_text = state.detokenizer.decode_new(request.output_token_ids)
+        new_text = state.detokenizer.push(token.token_id)
         # Like EOS and stop ids, stop strings only count once min_tokens tokens exist.
         text, stopped = state.stop_filter.push(new_text, can_stop=num_tokens >= params.min_tokens)
         if stopped:

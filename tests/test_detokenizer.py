@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringFilter
+from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 
+REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete multi-byte character ends with
 CORPUS = resources.files("engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
 # Beyond the corpus: characters the tokenizer never merged, so each is split into single-byte tokens.
 UNSEEN_TEXTS = [
@@ -20,7 +21,7 @@ UNSEEN_TEXTS = [
 def _stream(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> list[str]:
     """What the detokenizer emits after each token is appended."""
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-    return [detokenizer.decode_new(token_ids[: n + 1]) for n in range(len(token_ids))]
+    return [detokenizer.push(token_id) for token_id in token_ids]
 
 
 def _assert_streams_exactly_the_full_decode(tokenizer, text: str) -> None:
