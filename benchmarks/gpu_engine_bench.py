@@ -1,10 +1,10 @@
 """End-to-end offline throughput on a GPU: kvserve (Triton kernels) vs HF continuous batching.
 
-A Qwen3-0.6B-shaped model with seeded random weights (no download) serves 256 requests with prompt
+A Qwen3-0.6B-shaped model with seeded random weights (no download) serves 128 requests with prompt
 and output lengths uniform in 100-1024 (greedy, EOS ignored, each request its own output length).
 The peers run in this process on the same checkpoint, one after the other: kvserve, HF, kvserve with
-an int8 KV cache. Each is warmed up first (Triton compilation, HF's CUDA-graph capture) and timed
-from the first request to the last token.
+an int8 KV cache. Each warms up first (kvserve compiles its kernels and captures its decode graphs
+at start-up; HF captures its CUDA graphs) and is timed from the first request to the last token.
 
     python benchmarks/gpu_engine_bench.py            # the workload of BENCHMARKS.md (CUDA)
     python benchmarks/gpu_engine_bench.py --smoke    # a tiny model and workload, to check the script on a CPU
@@ -12,7 +12,6 @@ from the first request to the last token.
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offline_throughput import make_workload, run_hf_continuous
 
 from engine import LLM, SamplingParams
+from engine.default_model import cache_root
 from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 QWEN3_0_6B_SHAPE = {
@@ -42,11 +42,15 @@ SMOKE_SHAPE = {**QWEN3_0_6B_SHAPE, "vocab_size": 1000, "hidden_size": 64, "inter
 SMOKE_SHAPE.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
-def build_checkpoint(shape: dict, out_dir: Path) -> Path:
-    """Random weights; a small trained tokenizer (the model's vocabulary is larger, as real ones often are)."""
+def bench_model_dir(shape: dict) -> Path:
+    """The checkpoint of `shape` in kvserve's cache directory, built on first use: random weights and a
+    small trained tokenizer (the model's vocabulary is larger, as real ones often are)."""
+    model_dir = cache_root() / ("bench-qwen3-0.6b-shaped" if shape is QWEN3_0_6B_SHAPE else "bench-qwen3-smoke")
+    if (model_dir / "config.json").exists():
+        return model_dir
     tokenizer = train_tokenizer("\n".join(f"sample text line {i} of the benchmark corpus" for i in range(200)), 300)
     config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **shape)
-    return write_random_checkpoint(config, tokenizer, out_dir, seed=0)
+    return write_random_checkpoint(config, tokenizer, model_dir, seed=0)
 
 
 def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtype: str) -> tuple[float, int]:
@@ -54,8 +58,6 @@ def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtyp
         str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(prompts),
         gpu_memory_utilization=0.5,
     )  # fmt: skip
-    warmup = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0][:200], prompts[1][:30]], warmup)  # compiles the decode and extend kernels
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     engine = llm.engine
     synchronize()
@@ -64,7 +66,7 @@ def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtyp
         engine.add_request(prompt, sampling)
     num_tokens = 0
     while engine.has_unfinished():
-        num_tokens += sum(len(output.token_ids) for output in engine.step() if output.finished)
+        num_tokens += sum(len(delta.token_ids) for delta in engine.step())
     synchronize()
     elapsed_s = time.perf_counter() - start_s
     print(f"kvserve: backend {engine.runner.backend.name}, {engine.kv_cache.num_blocks} KV blocks")
@@ -85,7 +87,7 @@ def synchronize() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload on whatever device there is")
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--peers", default="kvserve,hf-continuous,kvserve-int8", help="run in this order")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,23 +95,22 @@ def main() -> None:
     num_requests, lengths = (6, (10, 40)) if args.smoke else (args.num_requests, (100, 1024))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    with tempfile.TemporaryDirectory() as tmp:
-        start_s = time.perf_counter()
-        model_dir = build_checkpoint(shape, Path(tmp) / "qwen3-0.6b-shaped")
-        print(f"built {model_dir.name} in {time.perf_counter() - start_s:.0f} s; device {device}, {dtype}")
-        prompts, output_lens = make_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
-        print(f"{num_requests} requests, prompt and output lengths uniform in {lengths}: {sum(output_lens)} tokens out")
-        results = {}
-        for peer in args.peers.split(","):
-            if peer.startswith("kvserve"):
-                kv_cache_dtype = "int8" if peer == "kvserve-int8" else "auto"
-                dtype_name = str(dtype).removeprefix("torch.")
-                results[peer] = run_kvserve(model_dir, prompts, output_lens, dtype_name, kv_cache_dtype)
-            else:
-                results[peer] = run_hf(model_dir, prompts, output_lens, dtype, device)
-            print(f"{peer}: {results[peer][1] / results[peer][0]:.0f} tok/s", flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    start_s = time.perf_counter()
+    model_dir = bench_model_dir(shape)
+    print(f"{model_dir} ready in {time.perf_counter() - start_s:.0f} s; device {device}, {dtype}")
+    prompts, output_lens = make_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
+    print(f"{num_requests} requests, prompt and output lengths uniform in {lengths}: {sum(output_lens)} tokens out")
+    results = {}
+    for peer in args.peers.split(","):
+        if peer.startswith("kvserve"):
+            kv_cache_dtype = "int8" if peer == "kvserve-int8" else "auto"
+            dtype_name = str(dtype).removeprefix("torch.")
+            results[peer] = run_kvserve(model_dir, prompts, output_lens, dtype_name, kv_cache_dtype)
+        else:
+            results[peer] = run_hf(model_dir, prompts, output_lens, dtype, device)
+        print(f"{peer}: {results[peer][1] / results[peer][0]:.0f} tok/s", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     kvserve_rate = results["kvserve"][1] / results["kvserve"][0] if "kvserve" in results else None
     print(f"\n{'peer':16} {'time s':>8} {'out tok':>8} {'tok/s':>8} {'kvserve x':>10}")

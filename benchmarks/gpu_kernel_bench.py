@@ -202,54 +202,38 @@ def main() -> None:
     torch.manual_seed(0)
 
     if args.smoke:
-        dtype, head_shapes, batches, contexts = torch.float32, [(8, 2, 16)], [1, 2], [40]
-        extend_cases = [(1, 40, 40), (2, 48, 16)]
-        copy_bytes = 1 << 20
+        dtype, copy_bytes = torch.float32, 1 << 20
+        decode_cases = [((8, 2, 16), batch, 40) for batch in (1, 2)]
+        extend_cases = [((8, 2, 16), 1, 40, 40), ((8, 2, 16), 2, 48, 16)]
     else:
-        dtype, head_shapes, batches, contexts = (
-            torch.bfloat16,
-            [(32, 8, 128), (64, 8, 128)],
-            [1, 8, 32, 128],
-            [512, 2048, 8192, 32768],
-        )
-        # (batch, context, new tokens): whole prompts, then chunks after a cached prefix.
-        extend_cases = [
-            (1, 512, 512),
-            (1, 2048, 2048),
-            (1, 8192, 8192),
-            (8, 2048, 2048),
-            (8, 4608, 512),
-            (4, 8704, 512),
-        ]
-        copy_bytes = 4 << 30
+        dtype, copy_bytes = torch.bfloat16, 4 << 30
+        heads, wide = (32, 8, 128), (64, 8, 128)
+        # (heads, batch, context): one long sequence, mid-size batches, and large batches of short ones.
+        decode_cases = [(heads, 1, 32768), (heads, 8, 8192), (heads, 32, 4096), (heads, 32, 8192), (wide, 32, 8192),
+                        (heads, 128, 2048), (heads, 128, 4096)]  # fmt: skip
+        # (heads, batch, context, new tokens): whole prompts, then a chunk after a cached prefix.
+        extend_cases = [(heads, 1, 2048, 2048), (heads, 1, 8192, 8192), (heads, 8, 4608, 512)]
 
     copy_gbs = copy_bandwidth_gbs(device, copy_bytes)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; {dtype}")
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written / time, {copy_bytes >> 20} MiB)\n")
 
     decode_rows = []
-    for num_heads, num_kv_heads, head_dim in head_shapes:
-        for batch in batches:
-            for context in contexts:
-                decode_rows.append(
-                    bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, device, copy_gbs)
-                )
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    for (num_heads, num_kv_heads, head_dim), batch, context in decode_cases:
+        decode_rows.append(bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, device, copy_gbs))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print("paged decode attention (one query token per sequence)")
     print_table(decode_rows)
 
     extend_rows = []
-    for num_heads, num_kv_heads, head_dim in head_shapes:
-        for batch, context, query_len in extend_cases:
-            extend_rows.append(
-                bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, dtype, device)
-            )
+    for (num_heads, num_kv_heads, head_dim), batch, context, query_len in extend_cases:
+        extend_rows.append(bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, dtype, device))
     print("\npaged prefill/extend attention vs causal SDPA on contiguous K/V")
     print_table(extend_rows)
 
     layout_batch, layout_context = (2, 40) if args.smoke else (32, 8192)
-    layout_rows = bench_layouts(layout_batch, layout_context, *head_shapes[0][:2], dtype, device, copy_gbs)
+    layout_rows = bench_layouts(layout_batch, layout_context, *decode_cases[0][0][:2], dtype, device, copy_gbs)
     print("\ndecode: K/V interleaved vs separate; head_dim 64 as is vs padded to 128")
     print_table(layout_rows)
 

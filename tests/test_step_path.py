@@ -155,3 +155,18 @@ def test_the_memory_probe_splits_its_prefill_into_prompts_within_the_context(tin
     caches = paged_kv_layers(KVCache.allocate(spec, num_blocks, torch.device("cpu")))
     hidden = model(torch.zeros(100, dtype=torch.long), positions, caches, metadata, TorchAttentionBackend())
     assert hidden.shape == (100, model.config.hidden_size) and hidden.isfinite().all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh runs this)")
+def test_cuda_graphs_give_the_eager_tokens(tiny_checkpoints):
+    model_dir = str(tiny_checkpoints["qwen3"])
+    prompts = [[4 + (5 * i + j) % 300 for j in range(3 + 11 * i)] for i in range(7)]
+    params = [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True, logprobs=0) for i in range(7)]
+    settings = {"max_num_seqs": 5, "max_num_batched_tokens": 32, "dtype": "float32"}
+    eager = LLM(model_dir, enforce_eager=True, **settings)
+    assert eager.engine.runner.decode_graphs is None
+    graphs = LLM(model_dir, **settings)
+    assert sorted(graphs.engine.runner.decode_graphs.graphs) == [1, 2, 4, 5]
+    for got, want in zip(graphs.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert got.token_ids == want.token_ids
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)

@@ -1,0 +1,157 @@
+"""The Triton kernels against their torch references at production shapes (the tests use small ones).
+
+Decode and extend attention over bf16 and int8 caches (block 16, 32 query / 8 KV heads, head_dim 64
+and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact), and the fused layer
+ops at Llama-3-8B sizes (hidden 4096, MLP 14336, head_dim 128). Each line prints the largest
+difference and the bound it is held to; the script exits 1 if any exceeds it.
+
+    python benchmarks/gpu_kernel_check.py           # CUDA
+    python benchmarks/gpu_kernel_check.py --smoke   # small shapes in Triton's interpreter on a CPU
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_kernel_bench import paged_batch
+
+from kernels import (
+    AttentionShape,
+    PagedKV,
+    paged_attention,
+    select_attention_backend,
+    store_kv,
+    torch_layer_ops,
+    triton_layer_ops,
+)
+from kernels.triton_store_kv import store_kv as triton_store_kv
+
+ATTENTION_BOUND = 2e-2  # bfloat16 outputs against an fp32 reference (the unit tests' bound)
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def report(self, name: str, difference: float, bound: float) -> None:
+        ok = difference <= bound
+        self.failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: max |difference| {difference:.3g} (bound {bound:.3g})", flush=True)
+
+    def ulps(self, name: str, actual: torch.Tensor, expected: torch.Tensor, ulps: float = 1.0) -> None:
+        """Largest difference in units of the last place of the expected value (>= 1: at magnitude 1 or more)."""
+        unit = torch.finfo(expected.dtype).eps * expected.float().abs().clamp_min(1.0)
+        self.report(f"{name} (in ulps)", ((actual.float() - expected.float()).abs() / unit).max().item(), ulps)
+
+
+def int8_like(cache: torch.Tensor) -> PagedKV:
+    data = [torch.randint(-127, 128, cache.shape, dtype=torch.int8, device=cache.device) for _ in range(2)]
+    return PagedKV(*data, *(torch.rand(cache.shape[:-1], device=cache.device) / 64 for _ in range(2)))
+
+
+def check_attention(checker, device, batch, context, query_len, head_dim, smoke) -> None:
+    num_heads, num_kv_heads = (8, 2) if smoke else (32, 8)
+    key_cache, value_cache, metadata = paged_batch(
+        batch, context, query_len, num_kv_heads, head_dim, torch.bfloat16, device
+    )
+    query = torch.randn(batch * query_len, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
+    scale = head_dim**-0.5
+    kind = "decode" if query_len == 1 else f"extend {query_len} new"
+    for cache_name, cache in (("bf16", PagedKV(key_cache, value_cache)), ("int8", int8_like(key_cache))):
+        actual = backend.paged_attention(query, cache, metadata, scale)
+        reference_cache = cache if cache.quantized else PagedKV(cache.key.float(), cache.value.float())
+        expected = paged_attention(query.float(), reference_cache, metadata, scale)
+        difference = (actual.float() - expected).abs().max().item()
+        name = f"{kind}, {cache_name} cache, batch {batch} x context {context}, head_dim {head_dim}"
+        checker.report(name, difference, ATTENTION_BOUND)
+        del actual, expected
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_store(checker, device, head_dim) -> None:
+    num_tokens, num_kv_heads = 300, 8
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=torch.bfloat16, device=device) * 3
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    slots = torch.randperm(64 * 16, device=device)[:num_tokens]
+    for int8 in (False, True):
+        caches = []
+        for _ in range(2):
+            shape = (64, 16, num_kv_heads, head_dim)
+            data = [torch.zeros(shape, dtype=torch.int8 if int8 else torch.bfloat16, device=device) for _ in "kv"]
+            scales = [torch.zeros(shape[:-1], device=device) for _ in "kv"] if int8 else []
+            caches.append(PagedKV(*data, *scales))
+        store_kv(key, value, caches[0], slots)
+        triton_store_kv(key, value, caches[1], slots)
+        tensors = [
+            (a, b) for a, b in zip(vars(caches[0]).values(), vars(caches[1]).values(), strict=True) if a is not None
+        ]
+        difference = max((a.float() - b.float()).abs().max().item() for a, b in tensors)
+        checker.report(f"store, {'int8' if int8 else 'bf16'} cache, head_dim {head_dim}", difference, 0.0)
+
+
+def check_layer_ops(checker, device, smoke) -> None:
+    hidden, intermediate, head_dim, tokens = (64, 96, 16, 5) if smoke else (4096, 14336, 128, 512)
+    dtype = torch.bfloat16
+    x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(2))
+    weight = torch.rand(hidden, dtype=dtype, device=device) + 0.5
+    # In the interpreter bfloat16 casts truncate (see tests/test_triton_layer_ops.py): a looser bound there.
+    ulps = 1.0 if device.type == "cuda" else 3.0
+    checker.ulps(
+        "rms_norm", triton_layer_ops.rms_norm(x, weight, 1e-6), torch_layer_ops.rms_norm(x, weight, 1e-6), ulps
+    )
+    expected, expected_sum = torch_layer_ops.add_rms_norm(x, residual, weight, 1e-6)
+    actual, actual_sum = triton_layer_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    checker.ulps("add_rms_norm", actual, expected, ulps)
+    checker.ulps("add_rms_norm residual", actual_sum, expected_sum, ulps)
+    gate_up = torch.randn(tokens, 2 * intermediate, dtype=dtype, device=device) * 4
+    checker.ulps("silu_and_mul", triton_layer_ops.silu_and_mul(gate_up), torch_layer_ops.silu_and_mul(gate_up), ulps)
+    num_heads, num_kv_heads = hidden // head_dim, max(1, hidden // head_dim // 4)
+    query = torch.randn(tokens, num_heads, head_dim, dtype=dtype, device=device)
+    key = torch.randn(tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    positions = torch.randint(0, 32768, (tokens,), device=device)
+    angles = torch.outer(
+        torch.arange(32768.0, device=device), 1e6 ** -(torch.arange(0, head_dim, 2, device=device) / head_dim)
+    )
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    expected_q, expected_k = torch_layer_ops.rotary_embedding(positions, query, key, cos, sin)
+    actual_q, actual_k = triton_layer_ops.rotary_embedding(positions, query.clone(), key.clone(), cos, sin)
+    # The reference rounds after each product in bfloat16, the kernel once in fp32: 3 ulps of the input's scale.
+    bound = 3 * torch.finfo(dtype).eps * query.float().abs().max().item()
+    checker.report("rotary query", (actual_q.float() - expected_q.float()).abs().max().item(), bound)
+    checker.report("rotary key", (actual_k.float() - expected_k.float()).abs().max().item(), bound)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="small shapes, to check the script on a CPU")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    checker = Checker()
+    if args.smoke:
+        cases = [(2, 40, 1, 64), (1, 48, 16, 64)]
+    else:
+        # (batch, context, new tokens, head_dim): decodes to 32k, a whole prompt, a chunk after a prefix.
+        cases = [(8, 1024, 1, d) for d in (64, 128)] + [(4, 8192, 1, 128), (1, 32768, 1, 128), (2, 32768, 1, 64)]
+        cases += [(2, 2048, 2048, 128), (1, 8192, 512, 128), (1, 4096, 512, 64)]
+    for case in cases:
+        check_attention(checker, device, *case, smoke=args.smoke)
+    for head_dim in (64, 128):
+        check_store(checker, device, head_dim)
+    check_layer_ops(checker, device, args.smoke)
+    print(f"{checker.failures} failures")
+    sys.exit(1 if checker.failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Decode step time with CUDA graphs and eagerly, and the kernels one eager decode step launches.
+
+A Qwen3-0.6B-shaped model (random weights, bf16) decodes batches of 1, 8, 64 and 256 requests
+(512-token prompts): the median time of `engine.step()` over 30 decode steps (everything a step
+does: scheduling, inputs, forward, sampling, the transfer back, outputs), with the decode graphs
+and with `enforce_eager`. Then one eager decode step of the largest batch under the profiler: the
+CUDA kernels it launches, in all and per layer.
+
+    python benchmarks/gpu_step_bench.py            # CUDA
+    python benchmarks/gpu_step_bench.py --smoke    # a tiny model on a CPU, to check the script
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_engine_bench import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, bench_model_dir
+
+from engine import LLM, SamplingParams
+
+
+def decoding_engine(model_dir: Path, batch: int, prompt_len: int, eager: bool, device: torch.device) -> LLM:
+    settings = {"max_num_seqs": batch, "enforce_eager": eager}
+    if device.type == "cuda":
+        settings |= {"dtype": "bfloat16", "kv_cache_memory_bytes": 8 << 30}
+    llm = LLM(str(model_dir), **settings)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        llm.engine.add_request([100 + (i + j) % 5000 for j in range(prompt_len)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in llm.engine.scheduler.running) or (
+        llm.engine.scheduler.waiting
+    ):
+        llm.engine.step()
+    return llm
+
+
+def step_ms(llm: LLM, num_steps: int) -> float:
+    for _ in range(3):
+        llm.engine.step()
+    timings = []
+    for _ in range(num_steps):
+        start_s = time.perf_counter()
+        llm.engine.step()  # ends with the sampled tokens on the host: the device is done
+        timings.append((time.perf_counter() - start_s) * 1e3)
+    return statistics.median(timings)
+
+
+def kernels_per_step(llm: LLM) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.engine.step()
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on whatever device there is")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SMOKE_SHAPE if args.smoke else QWEN3_0_6B_SHAPE
+    model_dir = bench_model_dir(shape)
+    batches, prompt_len, num_steps = ([1, 4], 16, 5) if args.smoke else ([1, 8, 64, 256], 512, 30)
+    print(f"{model_dir.name} on {device}; decode steps after {prompt_len}-token prompts, median of {num_steps}")
+    print(f"{'batch':>6} {'graphs ms':>10} {'eager ms':>9} {'eager/graphs':>13}")
+    for batch in batches:
+        times = {}
+        for eager in (False, True):
+            llm = decoding_engine(model_dir, batch, prompt_len, eager, device)
+            times[eager] = step_ms(llm, num_steps)
+            if batch == batches[-1] and eager and device.type == "cuda":
+                num_layers = llm.engine.model.config.num_layers
+                launched = kernels_per_step(llm)
+                print(f"eager decode step at batch {batch}: {launched} kernels, ~{launched / num_layers:.1f} a layer")
+            del llm
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"{batch:6d} {times[False]:10.2f} {times[True]:9.2f} {times[True] / times[False]:13.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
