@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
-from engine.models.layers import PackedLinear
+from engine.models.layers import PackedLinear, pack_linear_weights
 from engine.models.rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that kvserve recomputes.
@@ -47,6 +47,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         if isinstance(module, RotaryEmbedding):
             module.compute_tables()
     _load_weights(model, _safetensors_files(model_dir))
+    pack_linear_weights(model)
     return model.eval()
 
 

@@ -1,9 +1,11 @@
 """Layers the decoders share: linear projections (packed ones too) and RMSNorm's parameters.
 
-On a CPU, float32 GEMMs go through oneDNN instead of the BLAS `F.linear` calls: on the 2-core AMD
-EPYC machines here MKL's sgemm runs its AVX2 code, and oneDNN was 2.0-2.9x faster for every shape of
-the benchmark model (BENCHMARKS.md). Other dtypes and devices keep `F.linear` (bfloat16 on a CPU
-already reaches oneDNN through it).
+On a CPU, float32 and bfloat16 GEMMs run in oneDNN on weights reordered once, at load time, into
+oneDNN's blocked layout (`pack_linear_weights`), instead of `F.linear`: for float32 that goes to
+MKL's sgemm, which on the AMD EPYC machines here runs its AVX2 code (oneDNN was 2.0-2.9x faster for
+every shape of the benchmark model), and the packed weight saves oneDNN a reorder each call (another
+10-45% at decode batch sizes). BENCHMARKS.md has the figures. The packed copy sits beside the
+weight, so on a CPU the linear layers' weights take twice their memory.
 """
 
 import torch
@@ -12,18 +14,33 @@ from torch import nn
 
 from kernels import AttentionBackend
 
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# The batch size oneDNN chooses the packed layout for; any batch runs on it. Decode batches are this order.
+PACKING_BATCH_HINT = 64
 
 
 class Linear(nn.Linear):
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked copy of the weight, on a CPU
+
+    def pack_weight(self) -> None:
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKING_BATCH_HINT)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linear_weights(model: nn.Module) -> bool:
+    """Pack every linear layer's weight for oneDNN, where that is the CPU path (see the module's docstring)."""
+    weight = next(model.parameters())
+    if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+        return False
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack_weight()
+    return True
 
 
 class PackedLinear(Linear):
