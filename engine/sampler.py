@@ -110,12 +110,14 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], generator: tor
     if any(_filters_tokens(row.params) for row in rows):
         logits = _apply_top_k_top_p_min_p(logits, rows)
     probs = torch.softmax(logits, dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Unseeded rows draw their noise
-    # together; a seeded row draws its own from its generator, the same in any batch.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E = -log(U) for U uniform in [0, 1):
+    # torch's exponential_ is 6x slower than uniform_ and a log on a CPU (7.6 vs 1.2 ms for 32 x 16k).
+    # Unseeded rows draw their noise together; a seeded row draws its own, the same in any batch.
+    uniform = torch.empty_like(probs).uniform_(generator=generator)
     for i, row in enumerate(rows):
         if row.generator is not None:
-            noise[i].exponential_(generator=row.generator)
+            uniform[i].uniform_(generator=row.generator)
+    noise = uniform.log_().neg_()
     return (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
 
 
