@@ -75,8 +75,7 @@ def run_kvserve(model_dir: Path, prompts, output_lens, max_num_seqs: int):
     num_tokens = 0
     start_s = time.perf_counter()
     while engine.has_unfinished():
-        for output in engine.step():
-            num_tokens += len(output.token_ids) if output.finished else 0
+        num_tokens += sum(len(delta.token_ids) for delta in engine.step())
         usage = engine.kv_usage()
         if usage.num_used_blocks:
             utilizations.append(usage.slot_utilization)

@@ -36,10 +36,13 @@ def shared_prefix_run(model_dir: Path, enable_prefix_caching: bool) -> dict:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     start_s = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in prompts]
+    requests = [engine.scheduler.get(request_id) for request_id in ids]
     first_token_s: dict[str, float] = {}
     while engine.has_unfinished():
-        for output in engine.step():
-            first_token_s.setdefault(output.request_id, time.perf_counter() - start_s)
+        engine.step()
+        for request in requests:
+            if request.output_token_ids:
+                first_token_s.setdefault(request.request_id, time.perf_counter() - start_s)
     scheduler = engine.scheduler
     return {
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -56,15 +59,15 @@ def mixed_run(model_dir: Path, enable_chunked_prefill: bool, budget: int) -> dic
         max_num_batched_tokens=budget, enable_prefix_caching=False,
     ).engine  # fmt: skip
     decode_params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    decoders = {engine.add_request(tokens(rng, 32), decode_params) for _ in range(32)}
-    token_times: dict[str, list[float]] = {request_id: [] for request_id in decoders}
+    decoders = [engine.scheduler.get(engine.add_request(tokens(rng, 32), decode_params)) for _ in range(32)]
+    token_times: dict[str, list[float]] = {request.request_id: [] for request in decoders}
     long_added = False
     while engine.has_unfinished():
-        outputs = engine.step()
+        engine.step()
         now = time.perf_counter()
-        for output in outputs:
-            if output.request_id in decoders:
-                token_times[output.request_id].append(now)
+        for request in decoders:  # the times each request's number of tokens grew
+            if len(request.output_token_ids) > len(token_times[request.request_id]):
+                token_times[request.request_id].append(now)
         if not long_added and min(len(t) for t in token_times.values()) >= 10:
             for _ in range(4):
                 engine.add_request(tokens(rng, 1500), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
