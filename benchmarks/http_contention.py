@@ -9,9 +9,12 @@ parses requests, streams SSE and runs the handlers; both share one GIL. This run
   concurrent requests, the same prompts as token ids), while /proc gives the CPU seconds of the
   server's HTTP thread, of its engine thread (with the torch threads it starts) and of the client.
 
-If served tok/s is below offline tok/s by about the share of the machine's CPU that the HTTP thread
-and the client took, the engine lost only CPU, which a separate engine process would not give back
-(it would still share the cores); a larger loss is GIL waiting, which a separate process would remove.
+- offline beside a competitor: `LLM.generate` again while another process burns, in 2 ms bursts, as
+  much CPU as the HTTP thread and the client took in the served run, but holds no GIL of ours.
+
+If served tok/s matches the offline run beside the competitor, the engine lost only CPU (a separate
+engine process would still share the cores with the HTTP side and the client); served below it is
+what the shared GIL costs, which a separate engine process would give back.
 
     python benchmarks/http_contention.py [--rounds 3]
 """
@@ -67,6 +70,25 @@ async def _client(url: str, requests) -> int:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         await asyncio.gather(*(one(client, prompt, n) for prompt, n in requests))
     return sum(counts)
+
+
+def _burn(share_of_one_core: float, seconds: float, burst_s: float = 0.002) -> None:
+    """Busy-loop `share_of_one_core` of one core, in bursts, for `seconds`."""
+    end_s = time.monotonic() + seconds
+    while time.monotonic() < end_s:
+        start_s = time.perf_counter()
+        while time.perf_counter() - start_s < burst_s:
+            pass
+        time.sleep(burst_s * (1 / share_of_one_core - 1))
+
+
+def run_offline_beside(model_dir: Path, requests, share_of_one_core: float) -> float:
+    competitor = subprocess.Popen([sys.executable, __file__, "--burn", str(share_of_one_core)])
+    try:
+        return run_offline(model_dir, requests)
+    finally:
+        competitor.kill()
+        competitor.wait()
 
 
 def _thread_cpu_s(pid: int) -> dict[str, float]:
@@ -135,7 +157,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--burn", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.burn:
+        _burn(args.burn, seconds=600)
+        return
     if args.client:
         url, requests_file = args.client
         print(asyncio.run(_client(url, json.loads(Path(requests_file).read_text()))))
@@ -151,22 +177,23 @@ def main() -> None:
     requests_file.write_text(json.dumps(requests))
     cores = os.cpu_count()
     print(f"{model_dir.name}; {len(requests)} requests, {CONCURRENCY} at a time; {cores} cores")
-    ratios, shares = [], []
+    rows = []
     for index in range(args.rounds):
         offline = run_offline(model_dir, requests)
         served = run_served(model_dir, requests_file)
-        share = (served["http_cpu_s"] + served["client_cpu_s"]) / (cores * served["wall_s"])
-        ratios.append(served["tok_s"] / offline)
-        shares.append(share)
-        print(f"round {index + 1}: offline {offline:.0f} tok/s; served {served['tok_s']:.0f} tok/s "
-              f"({ratios[-1]:.3f} of offline) in {served['wall_s']:.1f} s; CPU s: HTTP thread "
-              f"{served['http_cpu_s']:.2f}, client {served['client_cpu_s']:.2f}, engine threads "
-              f"{served['engine_cpu_s']:.2f}; HTTP thread + client = {share:.3f} of the machine",
-              flush=True)  # fmt: skip
+        other_cpu_s = served["http_cpu_s"] + served["client_cpu_s"]
+        beside = run_offline_beside(model_dir, requests, other_cpu_s / served["wall_s"])
+        rows.append((offline, served["tok_s"], beside, other_cpu_s / (cores * served["wall_s"])))
+        print(f"round {index + 1}: offline {offline:.0f} tok/s; served {served['tok_s']:.0f} tok/s in "
+              f"{served['wall_s']:.1f} s (CPU s: HTTP thread {served['http_cpu_s']:.2f}, client "
+              f"{served['client_cpu_s']:.2f}, engine threads {served['engine_cpu_s']:.2f}: the HTTP thread and "
+              f"the client took {rows[-1][3]:.3f} of the machine); offline beside a competitor taking as much: "
+              f"{beside:.0f} tok/s", flush=True)  # fmt: skip
     requests_file.unlink()
-    print(f"\nmedian served / offline: {statistics.median(ratios):.3f}; median share of the machine's CPU taken by "
-          f"the HTTP thread and the client: {statistics.median(shares):.3f}; unexplained loss: "
-          f"{1 - statistics.median(ratios) - statistics.median(shares):+.3f}")  # fmt: skip
+    offline, served, beside, share = (statistics.median(column) for column in zip(*rows, strict=True))
+    print(f"\nmedians: served / offline {served / offline:.3f}; offline beside the competitor / offline "
+          f"{beside / offline:.3f}; served / offline beside the competitor {served / beside:.3f} "
+          f"(the HTTP thread and the client took {share:.3f} of the machine)")  # fmt: skip
 
 
 if __name__ == "__main__":
