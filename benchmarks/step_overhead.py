@@ -1,8 +1,8 @@
 """What a step costs outside the model's arithmetic, on the CPU (issue 16's figures).
 
 1. Ops dispatched in one decode step of a Qwen3-0.6B-shaped model (random weights, fp32), counted
-   by a TorchDispatchMode: in decoder layer 0, in the whole forward, and in the whole engine step.
-   On a GPU each of these is (at least) one kernel launch.
+   by a TorchDispatchMode: in decoder layer 0, in the whole forward, and in the whole engine step;
+   and of those, the ones that compute (not views, reshapes or allocations): on a GPU, the launches.
 2. Host time per step outside the forward (scheduler, input preparation, sampler, output
    processing) with 64 and 256 running decodes, on the built-in default model (a small model, so
    the model's own time does not hide the rest): step wall time minus the model's forward and logits.
@@ -65,6 +65,16 @@ class ModelTimer:
         return timed
 
 
+# Ops that only describe or allocate memory: no kernel runs for them.
+NON_COMPUTE_OPS = {"aten.view", "aten.reshape", "aten.slice", "aten.select", "aten.split_with_sizes", "aten.chunk",
+                   "aten.unsqueeze", "aten.squeeze", "aten.transpose", "aten.permute", "aten.flatten", "aten.expand",
+                   "aten.t", "aten.empty", "aten.empty_like", "aten.alias", "aten.detach", "aten.to"}  # fmt: skip
+
+
+def computing(counts: Counter) -> int:
+    return sum(n for op, n in counts.items() if op not in NON_COMPUTE_OPS)
+
+
 def count_ops(fn) -> Counter:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -111,7 +121,8 @@ def decode_ops(model_dir: Path, backend: str) -> None:
     total = sum(step_counts.values())
     print(f"  backend {engine.runner.backend.name if hasattr(engine, 'runner') else backend}: "
           f"{sum(layer_counts.values())} ops in layer 0, {sum(forward_counts.values())} in the forward "
-          f"(28 layers), {total} in the whole step")  # fmt: skip
+          f"(28 layers), {total} in the whole step; computing: {computing(layer_counts)} in layer 0, "
+          f"{computing(forward_counts)} in the forward, {computing(step_counts)} in the step")  # fmt: skip
     print(f"    layer 0: {dict(layer_counts.most_common())}")
 
 
