@@ -126,7 +126,38 @@ def decode_ops(model_dir: Path, backend: str) -> None:
     print(f"    layer 0: {dict(layer_counts.most_common())}")
 
 
-def host_overhead(model_dir: Path, num_running: int, num_steps: int = 40) -> float:
+# Engine parts timed for the breakdown: (attribute path from the engine, method).
+ENGINE_PARTS = {"scheduling": ("scheduler", "schedule"), "inputs": ("runner.inputs", "prepare"),
+                "sampling rows": ("", "_sampling_row"), "recording the step": ("scheduler", "update"),
+                "detokenizing and stop checks": ("", "_process_token")}  # fmt: skip
+
+
+class PhaseTimer:
+    """Seconds spent in each engine part of `ENGINE_PARTS` that this checkout has."""
+
+    def __init__(self, engine) -> None:
+        self.seconds: dict[str, float] = {}
+        for part, (path, method) in ENGINE_PARTS.items():
+            owner = engine
+            for name in filter(None, path.split(".")):
+                owner = getattr(owner, name, None)
+            if owner is not None and hasattr(owner, method):
+                self.seconds[part] = 0.0
+                setattr(owner, method, self._timed(part, getattr(owner, method)))
+
+    def _timed(self, part: str, method):
+        def timed(*args, **kwargs):
+            start_s = time.perf_counter()
+            result = method(*args, **kwargs)
+            self.seconds[part] += time.perf_counter() - start_s
+            return result
+
+        return timed
+
+
+def host_overhead(model_dir: Path, num_running: int, num_steps: int = 40) -> tuple[float, dict[str, float]]:
+    """Median host ms per step outside the forward, then (over as many more steps, timed part by part,
+    which adds a little) the mean ms per step of each engine part."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), max_num_seqs=num_running, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30)
@@ -143,7 +174,10 @@ def host_overhead(model_dir: Path, num_running: int, num_steps: int = 40) -> flo
         start_s = time.perf_counter()
         engine.step()
         host_ms.append((time.perf_counter() - start_s - timer.seconds) * 1e3)
-    return statistics.median(host_ms)
+    phases = PhaseTimer(engine)
+    for _ in range(num_steps):
+        engine.step()
+    return statistics.median(host_ms), {part: s * 1e3 / num_steps for part, s in phases.seconds.items()}
 
 
 def output_cost_by_length(model_dir: Path, checkpoints=(100, 1000, 4000, 8000)) -> dict[int, float]:
@@ -228,7 +262,9 @@ def main() -> None:
             decode_ops(qwen, backend)
         print("2. host time per step outside the forward (built-in default model), median of 40 steps:")
         for num_running in (64, 256):
-            print(f"  {num_running} running: {host_overhead(default_model_dir(), num_running):.3f} ms")
+            median_ms, parts = host_overhead(default_model_dir(), num_running)
+            breakdown = ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items())
+            print(f"  {num_running} running: {median_ms:.3f} ms (mean ms a step: {breakdown})")
         long_model = build(
             {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 16384},

@@ -49,16 +49,17 @@ SERVE_CLIENT_ARGS = [
 
 def bench_model_dir() -> Path:
     """The issue's Llama: hidden 512, 8 layers, 8 q / 2 kv heads of 64, MLP 1536, 16k vocabulary, random weights."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from offline_throughput import synthetic_corpus
-    from transformers import LlamaConfig
-
     from engine.default_model import cache_root
-    from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
     model_dir = cache_root() / MODEL_NAME
     if (model_dir / "config.json").exists():
         return model_dir
+    sys.path.insert(0, str(Path(__file__).parent))
+    from offline_throughput import synthetic_corpus
+    from transformers import LlamaConfig
+
+    from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+
     tokenizer = train_tokenizer(synthetic_corpus(), 16384)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
