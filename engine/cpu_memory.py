@@ -4,8 +4,9 @@ Every step allocates and frees activations of many MB (a 2048-token prefill of t
 makes a 25 MB gate/up output). Above glibc's mmap threshold (128 KiB at first, adapting up to 32 MiB)
 each such tensor is a fresh mmap whose pages fault in on first touch and are unmapped again when it
 is freed, step after step. Raising the mmap and trim thresholds serves them from the heap instead,
-pages already resident: +20-30% offline tokens/s on the benchmark model (BENCHMARKS.md). The cost is
-that up to `HEAP_THRESHOLD_BYTES` of freed memory stays resident in the process.
+pages already resident: +5% offline tokens/s on the benchmark model (`benchmarks/cpu_ablation.py`;
+it was worth more before the fused kernels removed most temporaries). The cost is that up to
+`HEAP_THRESHOLD_BYTES` of freed memory stays resident in the process.
 """
 
 import ctypes

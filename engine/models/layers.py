@@ -2,10 +2,11 @@
 
 On a CPU, float32 and bfloat16 GEMMs run in oneDNN on weights reordered once, at load time, into
 oneDNN's blocked layout (`pack_linear_weights`), instead of `F.linear`: for float32 that goes to
-MKL's sgemm, which on the AMD EPYC machines here runs its AVX2 code (oneDNN was 2.0-2.9x faster for
-every shape of the benchmark model), and the packed weight saves oneDNN a reorder each call (another
-10-45% at decode batch sizes). BENCHMARKS.md has the figures. The packed copy sits beside the
-weight, so on a CPU the linear layers' weights take twice their memory.
+MKL's sgemm, which on the AMD EPYC machines here runs its AVX2 code (`F.linear` took 2.3-4.0x the
+packed path's time for every projection of the benchmark model), and the packed weight saves oneDNN
+a reorder each call (10-25% at decode batch sizes, in bfloat16 too). BENCHMARKS.md has the figures
+(`benchmarks/cpu_gemm.py`). The packed copy sits beside the weight, so on a CPU the linear layers'
+weights take twice their memory.
 """
 
 import torch
