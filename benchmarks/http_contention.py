@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -113,11 +112,9 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def run_served(model_dir: Path, requests_file: Path) -> dict:
-    import httpx
+    from servers import free_port, wait_healthy
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     server = subprocess.Popen(
@@ -126,12 +123,7 @@ def run_served(model_dir: Path, requests_file: Path) -> dict:
         env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(url, server)
         before = _thread_cpu_s(server.pid)
         start_s = time.perf_counter()
         client = subprocess.Popen(

@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,10 +26,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import benchmark_model_dir
+from servers import free_port, wait_healthy
 
 from engine import LLM, SamplingParams
-
-STARTUP_TIMEOUT_S = 300
 
 
 @dataclass
@@ -61,26 +59,6 @@ def make_workload(num_requests: int, seed: int) -> tuple[list[str], list[int]]:
     prompts = [" ".join(rng.choices(words, k=rng.randint(24, 200))) for _ in range(num_requests)]
     output_lens = [rng.randint(32, 256) for _ in range(num_requests)]
     return prompts, output_lens
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with code {process.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server did not become healthy")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:

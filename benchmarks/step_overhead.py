@@ -205,14 +205,14 @@ def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, wi
     """CPU seconds of the server's main (HTTP) thread per `window` tokens streamed, window by window."""
     import json
     import os
-    import socket
     import subprocess
 
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    sys.path.insert(0, str(Path(__file__).parent))
+    from servers import free_port, wait_healthy
+
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(repo))
     server = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port)], env=env, cwd=repo,
@@ -224,12 +224,7 @@ def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, wi
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", server)
         body = {"model": model_dir.name, "prompt": [7, 8, 9], "max_tokens": num_tokens, "temperature": 0.0,
                 "ignore_eos": True, "logprobs": 5, "stop": ["never appears §"], "stream": True}  # fmt: skip
         marks, tokens = [cpu_seconds()], 0

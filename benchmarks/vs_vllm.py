@@ -19,15 +19,12 @@ Only the standard library is imported at the top: the worker half of this file a
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +32,6 @@ MODEL_NAME = "bench-llama-45m-v1"
 SERVED_NAME = "bench"
 MAX_MODEL_LEN = 1024
 KV_CACHE_GIB = 2
-STARTUP_TIMEOUT_S = 900
 SERVE_CLIENT_ARGS = [
     "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
     "--random-range-ratio", "0.5", "--num-prompts", "96", "--max-concurrency", "32", "--ignore-eos",
@@ -187,12 +183,6 @@ def run_offline(engine: str, python: str, model_dir: Path, workload_file: Path, 
             "outputs": result["token_ids"]}  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(engine: str, vllm_venv: Path, model_dir: Path, port: int, max_num_seqs: int) -> list[str]:
     if engine == "kvserve":
         return [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port),
@@ -203,22 +193,10 @@ def server_command(engine: str, vllm_venv: Path, model_dir: Path, port: int, max
             "--max-num-seqs", str(max_num_seqs), "--seed", "0"]  # fmt: skip
 
 
-def wait_healthy(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with status {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not become healthy")
-
-
 def run_served(engine: str, vllm_venv: Path, model_dir: Path, max_num_seqs: int, log_dir: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from servers import free_port, wait_healthy
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (log_dir / f"{engine}-server.log").open("ab")

@@ -59,10 +59,10 @@ class ModelRunner:
             self.execute(
                 SchedulerOutput([ScheduledRequest.of(request, request.num_uncomputed_tokens) for request in scheduled])
             )
+            if self.device.type == "cuda":  # the host buffers are rewritten only once the device has read them
+                torch.cuda.synchronize(self.device)
         for request in (chunk, decode):
             self.inputs.block_tables.release(request.request_id)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         return time.monotonic() - start_s
 
     @torch.inference_mode()

@@ -105,7 +105,6 @@ class InputBuffers:
         self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int, block_size: int, padding_block: int,
         device: torch.device,
     ) -> None:  # fmt: skip
-        self.device = device
         self.block_size = block_size
         self.block_tables = BlockTableRows(max_num_seqs, max_blocks_per_seq, padding_block, device)
         self.host_input_ids = _host_buffer(max_num_tokens, torch.int64, device)
