@@ -112,7 +112,7 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def run_served(model_dir: Path, requests_file: Path) -> dict:
-    from servers import free_port, wait_healthy
+    from servers import free_port, stop, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -137,8 +137,7 @@ def run_served(model_dir: Path, requests_file: Path) -> dict:
         wall_s = time.perf_counter() - start_s
         after = _thread_cpu_s(server.pid)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
     used = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     http_s = used.pop("http")
     return {"tok_s": num_tokens / wall_s, "wall_s": wall_s, "http_cpu_s": http_s, "client_cpu_s": client_cpu_s,

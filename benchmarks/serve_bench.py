@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import benchmark_model_dir
-from servers import free_port, wait_healthy
+from servers import free_port, stop, wait_healthy
 
 from engine import LLM, SamplingParams
 
@@ -121,11 +121,7 @@ def run_server_peer(name, start, model_name, prompts, output_lens, concurrency, 
         wait_healthy(base_url, process)
         return asyncio.run(run_clients(name, base_url, model_name, prompts, output_lens, concurrency, extra))
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
 
 
 def run_offline(model_dir: Path, prompts, output_lens, max_num_seqs: int) -> PeerResult:

@@ -28,3 +28,13 @@ def wait_healthy(base_url: str, process: subprocess.Popen) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError("server did not become healthy")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -210,7 +210,7 @@ def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, wi
     import httpx
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from servers import free_port, wait_healthy
+    from servers import free_port, stop, wait_healthy
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(repo))
@@ -237,8 +237,7 @@ def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, wi
                         marks.append(cpu_seconds())
         return [later - earlier for earlier, later in itertools.pairwise(marks)]
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
 
 
 def main() -> None:

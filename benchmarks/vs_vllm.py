@@ -195,7 +195,7 @@ def server_command(engine: str, vllm_venv: Path, model_dir: Path, port: int, max
 
 def run_served(engine: str, vllm_venv: Path, model_dir: Path, max_num_seqs: int, log_dir: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
-    from servers import free_port, wait_healthy
+    from servers import free_port, stop, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -218,11 +218,7 @@ def run_served(engine: str, vllm_venv: Path, model_dir: Path, max_num_seqs: int,
             raise RuntimeError(f"vllm bench serve against {engine} failed:\n{done.stderr[-3000:]}")
         result = json.loads((log_dir / result_name).read_text())
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
         peak_rss = rss.stop()
         log.close()
     return {"tok_s": result["output_throughput"], "ttft_p50": result["median_ttft_ms"],
