@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import CudaGraph, DecodeGraphs
 from engine.models import DecoderForCausalLM
 from engine.step_inputs import InputBuffers, StepInputs
 from kernels import AttentionBackend, PagedKV
@@ -42,10 +42,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, sizes: list[int], kind=None) -> None:
+    def capture_decode_graphs(self, sizes: list[int], kind=CudaGraph) -> None:
         """Capture pure-decode forwards at `sizes` (CUDA graphs; `kind` may stand in another replay)."""
-        extra = {"kind": kind} if kind is not None else {}
-        self.decode_graphs = DecodeGraphs.capture(self.forward, self.inputs, sizes, self.max_model_len, **extra)
+        self.decode_graphs = DecodeGraphs.capture(self.forward, self.inputs, sizes, self.max_model_len, kind)
 
     @torch.inference_mode()
     def warm_up(self) -> float:

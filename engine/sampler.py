@@ -73,8 +73,9 @@ def sample(
     """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows."""
     device = logits.device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    logprob_index = to_device(logprob_rows, torch.long, device) if logprob_rows else None
     # Logprobs come from the raw logits, before penalties and temperature.
-    raw_logprobs = torch.log_softmax(logits[to_device(logprob_rows, torch.long, device)], -1) if logprob_rows else None
+    raw_logprobs = torch.log_softmax(logits[logprob_index], -1) if logprob_rows else None
     penalized = [i for i, row in enumerate(rows) if row.penalties is not None]
     if penalized:
         logits = _apply_penalties(logits, [rows[i] for i in penalized], to_device(penalized, torch.long, device))
@@ -87,7 +88,7 @@ def sample(
         token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows], generator)
     for i in penalized:
         rows[i].penalties.count(token_ids[i : i + 1])
-    return _read_back(token_ids, raw_logprobs, logprob_rows, rows)
+    return _read_back(token_ids, raw_logprobs, logprob_rows, logprob_index, rows)
 
 
 def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -166,12 +167,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], index: torch
 
 
 def _read_back(
-    token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, logprob_rows: list[int], rows: list[SamplingRow]
+    token_ids: torch.Tensor,
+    raw_logprobs: torch.Tensor | None,
+    logprob_rows: list[int],
+    logprob_index: torch.Tensor | None,
+    rows: list[SamplingRow],
 ) -> list[SampledToken]:
     if raw_logprobs is None:
         (host_ids,) = to_host([token_ids])
         return [SampledToken(token_id, None, []) for token_id in host_ids.tolist()]
-    sampled_ids = token_ids[to_device(logprob_rows, torch.long, token_ids.device)]
+    sampled_ids = token_ids[logprob_index]
     sampled = raw_logprobs.gather(1, sampled_ids[:, None]).squeeze(1)
     max_top = max(rows[i].params.logprobs for i in logprob_rows)
     top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
