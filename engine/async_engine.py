@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 from engine.stats import StatsTracker, StepStats
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,11 @@ class AsyncLLMEngine:
             self._num_in_flight += 1
             self._commands.put(_Add(request_id, prompt_token_ids, params, stream, time.monotonic()))
         return stream
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile (or find cached) a request's grammar on a worker thread, so that neither the event loop
+        nor the engine's steps wait for it; raises `InvalidRequestError` if it does not compile."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.compile, spec)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

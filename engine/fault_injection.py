@@ -50,14 +50,14 @@ class FaultyExecute:
         self._num_steps = 0
         self._released = threading.Event()
 
-    def __call__(self, scheduler_output):
+    def __call__(self, scheduler_output, *args):
         step, self._num_steps = self._num_steps, self._num_steps + 1
         if self.plan.hits(step):
             if self.plan.kind == "raise":
                 # A message like a real one, naming a file, so tests can check that clients never see it.
                 raise InjectedFault(f"injected step failure at step {step} ({__file__})")
             self._released.wait()
-        return self._execute(scheduler_output)
+        return self._execute(scheduler_output, *args)
 
     def release(self) -> None:
         """Let a hung step (and any later one) run on."""

@@ -43,5 +43,5 @@ class LLM:
             whole = RequestDelta.merge(deltas[request_id])
             prompt_token_ids = self.engine.tokenize_prompt(prompt) if isinstance(prompt, str) else list(prompt)
             outputs.append(RequestOutput(request_id, prompt_token_ids, whole.token_ids, whole.text, whole.logprobs,
-                                         whole.finish_reason))  # fmt: skip
+                                         whole.finish_reason, whole.prompt_logprobs))  # fmt: skip
         return outputs

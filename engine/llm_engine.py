@@ -17,12 +17,13 @@ from engine.kv_sizing import kv_cache_budget_bytes
 from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, TokenLogprob
-from engine.sampler import PenaltyState, SampledToken, SamplingRow, sample
+from engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler, TokenMasks
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from kernels import AttentionShape, select_attention_backend
 from kvcache import BlockAllocator, KVCache, KVCacheSpec, KVUsage
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class _RequestState:
     stop_filter: StopStringFilter
     num_released_tokens: int = 0
     held_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With `prompt_logprobs`: those computed so far (the first token has none); sent once, when complete.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def release(self, text: str, finish_reason: str | None = None) -> RequestDelta:
         """The tokens generated since the last release, with `text` and their logprobs."""
@@ -48,7 +52,14 @@ class _RequestState:
             logprobs, self.held_logprobs = self.held_logprobs, []
         token_ids = output_token_ids[self.num_released_tokens :]
         self.num_released_tokens = len(output_token_ids)
-        return RequestDelta(self.request.request_id, token_ids, text, logprobs, finish_reason)
+        delta = RequestDelta(self.request.request_id, token_ids, text, logprobs, finish_reason)
+        if self.prompt_logprobs_complete and not self.prompt_logprobs_sent:
+            delta.prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        return delta
+
+    @property
+    def prompt_logprobs_complete(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.request.prompt_token_ids)
 
 
 class LLMEngine:
@@ -114,6 +125,8 @@ class LLMEngine:
             BlockAllocator(num_blocks),
             config.block_size,
         )
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._token_masks = TokenMasks(config.max_num_seqs, self.vocab_size)
         self._states: dict[str, _RequestState] = {}
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self._request_counter = itertools.count()
@@ -148,21 +161,30 @@ class LLMEngine:
         self._check_fits(num_prompt_tokens, params.max_tokens)
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request whose prompt (`tokenize_prompt`) and params (`check_params`) were checked."""
-        request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids)
-        self.scheduler.add(request)
+        """Queue a request whose prompt (`tokenize_prompt`) and params (`check_params`) were checked.
+
+        Its grammar, if it has one, is compiled here unless `grammars.compile` did it before (as the server does,
+        on another thread); `InvalidRequestError` if it does not compile, and nothing is queued.
+        """
         seeded = params.seed is not None and not params.is_greedy
         sampling_row = SamplingRow(
             params,
             generator=torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None,
             penalties=PenaltyState.of(prompt_token_ids, self.vocab_size, self.device) if params.has_penalties else None,
+            logit_bias=LogitBias.of(params.logit_bias, self.device) if params.logit_bias else None,
+            grammar=self.grammars.matcher(params.structured_output) if params.structured_output else None,
         )
+        # A cached prefix has no logits: a request that wants the prompt's logprobs computes all of it.
+        wants_prompt_logprobs = params.prompt_logprobs is not None
+        request = Request(request_id, prompt_token_ids, reuses_cached_prefix=not wants_prompt_logprobs)
+        self.scheduler.add(request)
         self._states[request_id] = _RequestState(
             request=request,
             params=params,
             sampling_row=sampling_row,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             stop_filter=StopStringFilter(params.stop),
+            prompt_logprobs=[None] if wants_prompt_logprobs else None,
         )
 
     def abort(self, request_id: str) -> RequestDelta | None:
@@ -187,8 +209,12 @@ class LLMEngine:
         states = [
             self._states[item.request.request_id] for item in scheduler_output.scheduled if item.samples_next_token
         ]
-        logits = self.runner.execute(scheduler_output)
-        sampled = sample(logits, [self._sampling_row(state) for state in states], self._generator)
+        prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduler_output)
+        logits = self.runner.execute(scheduler_output, prompt_rows)
+        if prompt_rows:
+            self._record_prompt_logprobs(logits[len(states) :], prompt_targets)
+        rows = [self._sampling_row(state) for state in states]
+        sampled = sample(logits[: len(states)], rows, self._generator, self._token_masks)
         self.scheduler.update(scheduler_output, [token.token_id for token in sampled])
         deltas = []
         for state, token in zip(states, sampled, strict=True):
@@ -199,6 +225,32 @@ class LLMEngine:
                 del self._states[state.request.request_id]
             deltas.append(delta)
         return deltas
+
+    def _prompt_logprob_rows(self, output: SchedulerOutput) -> tuple[list[int], list[tuple[_RequestState, int]]]:
+        """The step's token rows whose logits score a prompt token still without a logprob, and for each
+        its request and that token (the logits at position p score prompt token p + 1)."""
+        rows, targets = [], []
+        if not any(state.prompt_logprobs is not None for state in self._states.values()):
+            return rows, targets
+        first_row = 0
+        for item in output.scheduled:
+            state = self._states[item.request.request_id]
+            if state.prompt_logprobs is not None:
+                prompt = item.request.prompt_token_ids
+                # A preempted request recomputes its prompt: positions already scored are skipped.
+                first = max(item.start_position, len(state.prompt_logprobs) - 1)
+                end = min(item.start_position + item.num_new_tokens, len(prompt) - 1)
+                for position in range(first, end):
+                    rows.append(first_row + position - item.start_position)
+                    targets.append((state, prompt[position + 1]))
+            first_row += item.num_new_tokens
+        return rows, targets
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, targets: list[tuple[_RequestState, int]]) -> None:
+        num_top = [state.params.prompt_logprobs for state, _ in targets]
+        entries = prompt_logprobs(logits, [token_id for _, token_id in targets], num_top)
+        for (state, _), entry in zip(targets, entries, strict=True):
+            state.prompt_logprobs.append(entry)
 
     def _sampling_row(self, state: _RequestState) -> SamplingRow:
         params = state.params
@@ -216,6 +268,11 @@ class LLMEngine:
         request, params = state.request, state.params
         if params.logprobs is not None:
             state.held_logprobs.append(TokenLogprob(token.token_id, token.logprob, token.top_logprobs))
+        grammar = state.sampling_row.grammar
+        if grammar is not None and not grammar.accept_token(token.token_id):
+            # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
+            logger.error("request %s: its grammar rejected sampled token %d", request.request_id, token.token_id)
+            return self._finish(state, state.stop_filter.flush(), FinishReason.ABORT)
         num_tokens = len(request.output_token_ids)
         if token.token_id in params.stop_token_ids or (not params.ignore_eos and token.token_id in self.eos_token_ids):
             return self._finish(state, state.stop_filter.flush(), FinishReason.STOP)

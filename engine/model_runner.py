@@ -7,6 +7,7 @@ import torch
 
 from engine.decode_graphs import CudaGraph, DecodeGraphs
 from engine.models import DecoderForCausalLM
+from engine.sampler import to_device
 from engine.step_inputs import InputBuffers, StepInputs
 from kernels import AttentionBackend, PagedKV
 from kvcache import KVCache
@@ -65,12 +66,16 @@ class ModelRunner:
         return time.monotonic() - start_s
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_sampling_requests, vocab_size] (fp32) for the scheduled requests that sample, in order."""
+    def execute(self, output: SchedulerOutput, extra_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits [num_sampling_requests + len(extra_rows), vocab_size] (fp32): first those of the scheduled
+        requests that sample, in order, then those of `extra_rows` (indices into the step's tokens)."""
         graph_size = self.decode_graphs.size_for(output) if self.decode_graphs is not None else None
         inputs = self.inputs.prepare(output, num_padded_seqs=graph_size)
         hidden = self.forward(inputs) if graph_size is None else self.decode_graphs.replay(graph_size)
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        rows = inputs.sample_rows
+        if extra_rows:
+            rows = torch.cat([rows, to_device(extra_rows, torch.long, self.device)])
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.metadata, self.backend)

@@ -24,6 +24,8 @@ class RequestDelta:
     text: str
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # "stop", "length" or "abort" on the last delta
+    # Once, on the first delta after the prompt is prefilled, if asked for: None for the first token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -42,6 +44,7 @@ class RequestDelta:
             text="".join(delta.text for delta in deltas),
             logprobs=logprobs,
             finish_reason=last.finish_reason,
+            prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
         )
 
 
@@ -55,6 +58,7 @@ class RequestOutput:
     text: str
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

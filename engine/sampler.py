@@ -10,10 +10,17 @@ in any batch. Requests without a seed share the engine's generator (seeded from 
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from engine.structured_output import TokenMasks
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,27 @@ class PenaltyState:
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """A request's `logit_bias` on the device, made once when it is queued."""
+
+    token_ids: torch.Tensor  # [num_biased] int64
+    biases: torch.Tensor  # [num_biased] float32
+
+    @classmethod
+    def of(cls, pairs: tuple[tuple[int, float], ...], device: torch.device) -> "LogitBias":
+        token_ids, biases = zip(*pairs, strict=True)
+        return cls(to_device(token_ids, torch.long, device), to_device(biases, torch.float32, device))
+
+
+@dataclass(frozen=True)
 class SamplingRow:
     """One request's row in a sampling batch."""
 
     params: SamplingParams
     generator: torch.Generator | None = None  # a seeded request's own; None: the batch's shared generator
     penalties: PenaltyState | None = None  # for requests with penalties
+    logit_bias: LogitBias | None = None
+    grammar: "xgrammar.GrammarMatcher | None" = None  # structured outputs: what the request's output may continue with
     banned_token_ids: tuple[int, ...] = ()  # never sampled this step (EOS and stop ids before min_tokens)
 
 
@@ -68,9 +90,11 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
-) -> list[SampledToken]:
-    """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows."""
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+    token_masks: "TokenMasks | None" = None,
+) -> list[SampledToken]:  # fmt: skip
+    """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows and
+    `token_masks` applies the grammars of rows that have one."""
     device = logits.device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     logprob_index = to_device(logprob_rows, torch.long, device) if logprob_rows else None
@@ -79,8 +103,13 @@ def sample(
     penalized = [i for i, row in enumerate(rows) if row.penalties is not None]
     if penalized:
         logits = _apply_penalties(logits, [rows[i] for i in penalized], to_device(penalized, torch.long, device))
+    if any(row.logit_bias is not None for row in rows):
+        logits = _add_logit_bias(logits, rows)
     if any(row.banned_token_ids for row in rows):
         logits = _ban_tokens(logits, rows)
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if constrained:
+        token_masks.apply(logits, constrained, [rows[i].grammar for i in constrained])
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
@@ -89,6 +118,29 @@ def sample(
     for i in penalized:
         rows[i].penalties.count(token_ids[i : i + 1])
     return _read_back(token_ids, raw_logprobs, logprob_rows, logprob_index, rows)
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    biased = [(i, row.logit_bias) for i, row in enumerate(rows) if row.logit_bias is not None]
+    counts = to_device([len(bias.token_ids) for _, bias in biased], torch.long, logits.device)
+    row_index = to_device([i for i, _ in biased], torch.long, logits.device).repeat_interleave(counts)
+    token_index = torch.cat([bias.token_ids for _, bias in biased])
+    biases = torch.cat([bias.biases for _, bias in biased])
+    return logits.index_put((row_index, token_index), biases, accumulate=True)
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Each row's log-probability of its target token (the next prompt token) and its `num_top` likeliest."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = logprobs.gather(1, to_device(target_ids, torch.long, logits.device)[:, None]).squeeze(1)
+    top_values, top_ids = logprobs.topk(max(num_top), dim=-1)
+    host_targets, host_top_values, host_top_ids = (t.tolist() for t in to_host([targets, top_values, top_ids]))
+    return [
+        TokenLogprob(target_id, logprob, list(zip(ids[:k], values[:k], strict=True)))
+        for target_id, logprob, ids, values, k in zip(
+            target_ids, host_targets, host_top_ids, host_top_values, num_top, strict=True
+        )
+    ]
 
 
 def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -2,10 +2,23 @@
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (structured outputs): a JSON schema (JSON text), any JSON
+    object, a regular expression, one of a list of strings (JSON text of the list), or an EBNF grammar.
+    `strict` (JSON schema only): properties the schema does not name are not generated."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    source: str = ""
+    strict: bool = True
 
 
 @dataclass(frozen=True)
@@ -16,7 +29,11 @@ class SamplingParams:
     strings do not stop the request.
     `temperature == 0` is greedy decoding. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs=N` returns the sampled token's log-probability and the N most likely alternatives,
-    computed from the model's raw logits (before penalties and temperature).
+    computed from the model's raw logits (before penalties, bias and temperature).
+    `prompt_logprobs=N`: the same for every prompt token after the first (a prompt's first token has
+    none), computed while the prompt is prefilled; such a request never reuses cached prefix blocks.
+    `logit_bias`: (token id, bias) pairs added to the logits before sampling.
+    `structured_output`: only tokens that keep the output inside the grammar are sampled.
     """
 
     max_tokens: int = 16
@@ -33,7 +50,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: GrammarSpec | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -58,6 +78,13 @@ class SamplingParams:
             _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        for token_id, bias in self.logit_bias:
+            _check_int("logit_bias", token_id, low=0, high=vocab_size - 1)
+            _check_float("logit_bias", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        if self.structured_output is not None:
+            self._check_structured_output()
         if isinstance(self.stop, str):
             raise InvalidRequestError("stop", "must be a sequence of strings, not a single string")
         for stop in self.stop:
@@ -65,6 +92,14 @@ class SamplingParams:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+
+    def _check_structured_output(self) -> None:
+        # Once the grammar is complete only a stop token may follow: a request that must not stop yet
+        # would have nothing left to sample.
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens", "cannot be combined with structured outputs")
+        if self.ignore_eos:
+            raise InvalidRequestError("ignore_eos", "cannot be combined with structured outputs")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:

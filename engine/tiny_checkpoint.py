@@ -11,9 +11,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedConfig, PreTrainedTokenizerFast
 
 BOS_TOKEN, EOS_TOKEN, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
+# ChatML, with Hermes-style tools (as Qwen's templates): the tools in a system turn, calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results in "tool" turns.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools. To call one, answer "
+    '<tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    '<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -141,7 +141,8 @@ class Scheduler:
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached_block_ids = self._cached_prefix(request) if self.config.enable_prefix_caching else []
+            reuses_cache = self.config.enable_prefix_caching and request.reuses_cached_prefix
+            cached_block_ids = self._cached_prefix(request) if reuses_cache else []
             num_cached_tokens = len(cached_block_ids) * self.block_size
             num_new_tokens = self._num_tokens_to_run(request.num_tokens - num_cached_tokens, token_budget)
             if not num_new_tokens:
@@ -163,7 +164,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest.of(request, num_new_tokens))
             token_budget -= num_new_tokens
-            if self.config.enable_prefix_caching:
+            if reuses_cache:
                 self.prefix_cache_queried_tokens += request.num_tokens
                 self.prefix_cache_hit_tokens += num_cached_tokens
 

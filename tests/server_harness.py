@@ -86,9 +86,9 @@ def slow_down_steps(running: RunningServer, monkeypatch) -> None:
     """Every model step takes at least STEP_DELAY_S, so long requests last long on any machine."""
     execute = running.engine.runner.execute
 
-    def slow_execute(scheduler_output):
+    def slow_execute(scheduler_output, *args):
         time.sleep(STEP_DELAY_S)
-        return execute(scheduler_output)
+        return execute(scheduler_output, *args)
 
     monkeypatch.setattr(running.engine.runner, "execute", slow_execute)
 

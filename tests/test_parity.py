@@ -2,6 +2,7 @@
 scheduling path: one batch, staggered admission (prefill and decode mixed in a step), and preemption."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model):
-    """Prompts and HF `generate` greedy tokens and logprobs, each prompt run alone."""
+    """Prompts, HF `generate` greedy tokens and logprobs, and the prompt's logprobs, each prompt run alone."""
     vocab_size = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
     # Without an EOS, HF neither stops early nor masks EOS (as min_new_tokens would): like ignore_eos.
@@ -52,7 +53,10 @@ def hf_reference(tiny_model):
         )
         tokens = out.sequences[0, len(prompt) :].tolist()
         logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
-        reference.append((prompt, tokens, logprobs))
+        with torch.no_grad():
+            prompt_scores = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+        prompt_logprobs = [prompt_scores[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)]
+        reference.append((prompt, tokens, logprobs, prompt_logprobs))
     return reference
 
 
@@ -79,12 +83,22 @@ def test_triton_backend_matches_hf(tiny_model, hf_reference):
 
 
 def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
+    """Every other request also scores its prompt (prompt logprobs), so both kinds share the batches."""
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    outputs = llm.generate([prompt for prompt, _, _ in hf_reference], params)
+    scoring = replace(params, prompt_logprobs=1)
+    outputs = llm.generate([reference[0] for reference in hf_reference],
+                           [scoring if i % 2 else params for i in range(len(hf_reference))])  # fmt: skip
 
-    for (_, expected_tokens, expected_logprobs), output in zip(hf_reference, outputs, strict=True):
-        assert output.token_ids == expected_tokens
-        assert [entry.logprob for entry in output.logprobs] == pytest.approx(expected_logprobs, abs=1e-4)
+    for i, ((prompt, tokens, logprobs, prompt_logprobs), output) in enumerate(zip(hf_reference, outputs, strict=True)):
+        assert output.token_ids == tokens
+        assert [entry.logprob for entry in output.logprobs] == pytest.approx(logprobs, abs=1e-4)
+        if i % 2 == 0:
+            assert output.prompt_logprobs is None
+            continue
+        first, *scored = output.prompt_logprobs
+        assert first is None
+        assert [entry.token_id for entry in scored] == prompt[1:]
+        assert [entry.logprob for entry in scored] == pytest.approx(prompt_logprobs, abs=1e-4)
     if "preempting" in path:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_usage().num_used_blocks == 0
