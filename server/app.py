@@ -111,6 +111,12 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def list_models():
         return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized, response_model=ModelCard,
+             responses=error_responses(401, 404))  # fmt: skip
+    async def get_model(model_id: str):
+        ctx.check_model(model_id)
+        return ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)
+
     @app.post("/v1/completions", dependencies=authorized, responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(body, request, ctx)

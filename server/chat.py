@@ -1,5 +1,6 @@
 """POST /v1/chat/completions."""
 
+import json
 from collections.abc import AsyncIterator
 
 import jinja2
@@ -10,7 +11,8 @@ from engine import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
 from server.context import ServerContext
 from server.errors import bad_request
-from server.generation import Generation, sse_stream
+from server.generation import Choice, Generation, sse_stream
+from server.logprobs import vllm_prompt_logprobs
 from server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -19,85 +21,186 @@ from server.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ToolCallFunction,
+    ToolCallOut,
     TopLogprob,
     random_id,
 )
+from server.structured_outputs import compile_grammar, compiled_grammar
+from server.supported_fields import check_chat_fields
+from server.tool_calling import ToolPlan, plan_tools
+from server.tool_parsers import ParsedOutput, ToolCallDelta
 
 
-def render_chat_prompt(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat_prompt(
+    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
     """Apply the chat template (the server's override, else the tokenizer's) and tokenize."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     template = ctx.chat_template or ctx.tokenizer.chat_template
     if template is None:
         raise bad_request("this model has no chat template; start the server with --chat-template", param="messages")
-    conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
+    if tools and "tools" not in template:
+        raise bad_request("this model's chat template does not support tools", param="tools")
+    conversation = [_template_message(message, index) for index, message in enumerate(messages)]
     try:
         text = ctx.tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+            conversation, tools=tools, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )  # fmt: skip
     except jinja2.TemplateError as error:
         raise bad_request(f"the chat template rejected these messages: {error}", param="messages") from None
     # The template writes any BOS it wants; encoding must not add a second one.
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+def _template_message(message: ChatMessage, index: int) -> dict:
+    """A message as chat templates take it: text content, and tool calls with their arguments as objects."""
+    param = f"messages.{index}"
+    if message.role == "tool" and message.tool_call_id is None:
+        raise bad_request("a tool message needs the tool_call_id it answers", param=f"{param}.tool_call_id")
+    if message.tool_calls is not None and message.role != "assistant":
+        raise bad_request("only assistant messages have tool_calls", param=f"{param}.tool_calls")
+    result = {"role": message.role, "content": _text(message.content, param)}
+    if message.name is not None:
+        result["name"] = message.name
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments, param)}}
+            for call in message.tool_calls
+        ]  # fmt: skip
+    return result
+
+
+def _text(content, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for index, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"content parts of type {part.type!r} are not supported: this model is text-only",
+                param=f"{param}.content.{index}.type",
+            )  # fmt: skip
+    return "".join(part.text for part in content)
+
+
+def _arguments(arguments: str, param: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise bad_request("tool call arguments must be the JSON text of an object", param=f"{param}.tool_calls")
+    return value
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
     ctx.check_model(body.model)
+    check_chat_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         # Checked here, as the engine would name its own field, `logprobs`.
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
-    prompt = ctx.engine.engine.tokenize_prompt(render_chat_prompt(ctx, body.messages, body.add_generation_prompt))
+    tool_plan = plan_tools(body, ctx.settings.tool_call_parser)
+    grammar = await compiled_grammar(ctx, body)
+    if tool_plan.grammar is not None:
+        if grammar is not None:
+            raise bad_request("a forced tool call cannot be combined with response_format", param="tool_choice")
+        await compile_grammar(ctx, "tools", tool_plan.grammar)
+    prompt = ctx.engine.engine.tokenize_prompt(
+        render_chat_prompt(ctx, body.messages, body.add_generation_prompt, tool_plan.template_tools)
+    )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_model_len - len(prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
 
     generation = Generation(ctx.engine, random_id("chatcmpl"), ctx.model_name, ctx.count_disconnect)
     generation.submit([prompt], params, body.n)
     if body.stream:
-        chunks = _stream_chunks(body, ctx, generation)
+        chunks = _stream_chunks(body, ctx, generation, tool_plan)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
 
     await generation.run_to_end(request)
-    choices = [
-        ChatChoice(
-            index=choice.index,
-            message=ChatResponseMessage(content=choice.text),
-            logprobs=_logprobs(ctx, choice.logprobs) if choice.logprobs is not None else None,
-            finish_reason=choice.finish_reason,
-        )
-        for choice in generation.choices
-    ]
+    choices = [_choice(ctx, choice, tool_plan) for choice in generation.choices]
     response = ChatCompletionResponse(
         id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
         usage=generation.usage(),
+        prompt_logprobs=vllm_prompt_logprobs(ctx, body.prompt_logprobs, generation.choices[0].prompt_logprobs),
     )  # fmt: skip
-    return JSONResponse(response.model_dump())
+    payload = response.model_dump()
+    if payload["prompt_logprobs"] is None:
+        del payload["prompt_logprobs"]
+    for choice in payload["choices"]:
+        if choice["message"]["tool_calls"] is None:
+            del choice["message"]["tool_calls"]
+    return JSONResponse(payload)
+
+
+def _choice(ctx: ServerContext, choice: Choice, tool_plan: ToolPlan) -> ChatChoice:
+    parsed = ParsedOutput(choice.text, [])
+    if tool_plan.parser is not None:
+        parsed = tool_plan.parser.parse(choice.text)
+    calls = parsed.tool_calls[: tool_plan.max_calls]
+    message = ChatResponseMessage(
+        content=parsed.content if calls else choice.text,
+        tool_calls=[ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in calls]
+        or None,
+    )
+    return ChatChoice(
+        index=choice.index, message=message, finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
+        logprobs=_logprobs(ctx, choice.logprobs) if choice.logprobs is not None else None,
+    )  # fmt: skip
+
+
+def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    return "tool_calls" if called_tools and reason == "stop" else reason
 
 
 async def _stream_chunks(
-    body: ChatCompletionRequest, ctx: ServerContext, generation: Generation
+    body: ChatCompletionRequest, ctx: ServerContext, generation: Generation, tool_plan: ToolPlan
 ) -> AsyncIterator[dict]:
     object_name = "chat.completion.chunk"
+    parsers = {choice.index: tool_plan.parser.streaming() for choice in generation.choices if tool_plan.parser}
+    called_tools: set[int] = set()
     for choice in generation.choices:
         delta = {"role": "assistant", "content": ""}
         yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": None,
                                               "finish_reason": None}])  # fmt: skip
     async for choice, delta in generation.deltas():
         logprobs = _logprobs(ctx, delta.logprobs).model_dump() if delta.logprobs is not None else None
-        content = {"content": delta.text} if delta.text else {}
-        yield generation.chunk(object_name, [{"index": choice.index, "delta": content, "logprobs": logprobs,
-                                              "finish_reason": delta.finish_reason}])  # fmt: skip
+        content, calls = delta.text, []
+        parser = parsers.get(choice.index)
+        if parser is not None:
+            content, calls = parser.feed(delta.text)
+            if delta.finished:
+                more_content, more_calls = parser.finish()
+                content, calls = content + more_content, calls + more_calls
+            calls = [call for call in calls if tool_plan.max_calls is None or call.index < tool_plan.max_calls]
+        if calls:
+            called_tools.add(choice.index)
+        message = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = [_call_delta(call) for call in calls]
+        finish_reason = _finish_reason(delta.finish_reason, choice.index in called_tools)
+        yield generation.chunk(object_name, [{"index": choice.index, "delta": message, "logprobs": logprobs,
+                                              "finish_reason": finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         yield generation.chunk(object_name, [], generation.usage())
+
+
+def _call_delta(call: ToolCallDelta) -> dict:
+    fragment = {"index": call.index, "function": {"arguments": call.arguments}}
+    if call.id is not None:
+        fragment.update(id=call.id, type="function")
+        fragment["function"]["name"] = call.name
+    return fragment
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> ChatLogprobs:

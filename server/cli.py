@@ -33,10 +33,12 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         if name == "model":
             continue
         annotation = field.annotation
-        if isinstance(annotation, types.UnionType):  # X | None
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:  # X | None
             annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
         flag = "--" + name.replace("_", "-")
-        if typing.get_origin(annotation) is list:
+        if typing.get_origin(annotation) is typing.Literal:
+            parser.add_argument(flag, choices=typing.get_args(annotation), default=None, help=field.description)
+        elif typing.get_origin(annotation) is list:
             parser.add_argument(flag, nargs="+", default=None, help=field.description)
         elif annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)

@@ -8,20 +8,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine import TokenLogprob
 from server.context import ServerContext
 from server.errors import bad_request
-from server.generation import Generation, sse_stream
+from server.generation import Choice, Generation, sse_stream
+from server.logprobs import vllm_prompt_logprobs
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    Usage,
     random_id,
 )
+from server.structured_outputs import compiled_grammar
+from server.supported_fields import check_completion_fields
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
     ctx.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    check_completion_fields(body)
     raw_prompts = _split_prompts(body.prompt)
     if len(raw_prompts) > ctx.settings.max_prompts:
         raise bad_request(f"at most {ctx.settings.max_prompts} prompts, got {len(raw_prompts)}", param="prompt")
@@ -30,26 +33,70 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_model_len - max(len(p) for p in prompts)
-    params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
-
+    # max_tokens 0 with echo scores the prompt alone (lm-eval's loglikelihood): one token is generated, not returned.
+    scores_prompt_only = max_tokens == 0 and body.echo
+    num_candidates = _num_candidates(body, ctx)
+    # best_of ranks candidates by their tokens' summed logprobs, so each candidate computes them.
+    logprobs = body.logprobs if body.logprobs is not None or num_candidates == body.n else 0
+    echoed_logprobs = body.logprobs if body.echo else None
+    prompt_logprobs = max((n for n in (echoed_logprobs, body.prompt_logprobs) if n is not None), default=None)
+    params = ctx.sampling_params(
+        body, max_tokens=1 if scores_prompt_only else max_tokens, logprobs=logprobs,
+        grammar=await compiled_grammar(ctx, body), prompt_logprobs=prompt_logprobs,
+    )  # fmt: skip
     generation = Generation(ctx.engine, random_id("cmpl"), ctx.model_name, ctx.count_disconnect)
-    generation.submit(prompts, params, body.n)
+    generation.submit(prompts, params, num_candidates)
     if body.stream:
-        chunks = _stream_chunks(body, ctx, generation, echoes)
+        chunks = _stream_chunks(body, ctx, generation, echoes, scores_prompt_only)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
 
     await generation.run_to_end(request)
     choices = []
-    for choice in generation.choices:
-        prefix = echoes[choice.index // body.n]
-        logprobs = _logprobs(ctx, choice.logprobs, len(prefix)) if choice.logprobs is not None else None
-        choices.append(CompletionChoice(index=choice.index, text=prefix + choice.text, logprobs=logprobs,
-                                        finish_reason=choice.finish_reason))  # fmt: skip
+    for index, choice in enumerate(_best_of(generation.choices, num_candidates, body.n)):
+        if scores_prompt_only:
+            choice.drop_output()
+        prefix = echoes[choice.index // num_candidates]
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _echoed_prompt_logprobs(ctx, body, generation, choice, choice.prompt_logprobs)
+            _append_logprobs(ctx, logprobs, choice.logprobs or [], len(prefix), body.logprobs)
+        prompt_logprobs = vllm_prompt_logprobs(ctx, body.prompt_logprobs, choice.prompt_logprobs)
+        choices.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
+                                        finish_reason=choice.finish_reason,
+                                        prompt_logprobs=prompt_logprobs))  # fmt: skip
+    usage = generation.usage()
     response = CompletionResponse(
         id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
-        usage=generation.usage(),
+        usage=Usage.of(usage.prompt_tokens, 0) if scores_prompt_only else usage,
     )  # fmt: skip
     return JSONResponse(response.model_dump())
+
+
+def _num_candidates(body: CompletionRequest, ctx: ServerContext) -> int:
+    """How many sequences each prompt samples: `best_of` (returning the `n` best) or `n`."""
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 returns nothing without echo", param="max_tokens")
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise bad_request(f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of")
+    if body.best_of > ctx.settings.max_n:
+        raise bad_request(f"best_of must be at most {ctx.settings.max_n}, got {body.best_of}", param="best_of")
+    if body.stream:
+        raise bad_request("best_of cannot be streamed: the best candidates are known only at the end", param="best_of")
+    return body.best_of
+
+
+def _best_of(choices: list[Choice], num_candidates: int, n: int) -> list[Choice]:
+    """Each prompt's `n` candidates with the highest summed token logprob, best first."""
+    if num_candidates == n:
+        return choices
+    best = []
+    for first in range(0, len(choices), num_candidates):
+        candidates = choices[first : first + num_candidates]
+        candidates.sort(key=lambda choice: sum(entry.logprob for entry in choice.logprobs), reverse=True)
+        best += candidates[:n]
+    return best
 
 
 def _split_prompts(prompt) -> list[str | list[int]]:
@@ -70,39 +117,70 @@ def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt: str | list[i
 
 
 async def _stream_chunks(
-    body: CompletionRequest, ctx: ServerContext, generation: Generation, echoes: list[str]
+    body: CompletionRequest, ctx: ServerContext, generation: Generation, echoes: list[str], scores_prompt_only: bool
 ) -> AsyncIterator[dict]:
+    """The echoed prompt (with its logprobs) comes with each choice's first chunk."""
     object_name = "text_completion"
-    text_offsets = {}
-    if body.echo:
-        for choice in generation.choices:
-            prefix = echoes[choice.index // body.n]
-            yield generation.chunk(object_name, [{"index": choice.index, "text": prefix, "logprobs": None,
-                                                  "finish_reason": None}])  # fmt: skip
+    text_offsets: dict[int, int] = {}
     async for choice, delta in generation.deltas():
+        first = choice.index not in text_offsets
+        text = echoes[choice.index // body.n] if first else ""
+        offset = text_offsets.get(choice.index, 0) + len(text)
         logprobs = None
-        if delta.logprobs is not None:
-            offset = text_offsets.get(choice.index, 0)
-            logprobs = _logprobs(ctx, delta.logprobs, offset)
-            text_offsets[choice.index] = offset + sum(len(t) for t in logprobs.tokens)
-            logprobs = logprobs.model_dump()
-        yield generation.chunk(object_name, [{"index": choice.index, "text": delta.text, "logprobs": logprobs,
+        if body.logprobs is not None:
+            prompt_entries = delta.prompt_logprobs if first else None
+            logprobs = _echoed_prompt_logprobs(ctx, body, generation, choice, prompt_entries)
+            generated = [] if scores_prompt_only else delta.logprobs or []
+            logprobs = _append_logprobs(ctx, logprobs, generated, offset, body.logprobs).model_dump()
+        if not scores_prompt_only:
+            text += delta.text
+        text_offsets[choice.index] = text_offsets.get(choice.index, 0) + len(text)
+        yield generation.chunk(object_name, [{"index": choice.index, "text": text, "logprobs": logprobs,
                                               "finish_reason": delta.finish_reason}])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield generation.chunk(object_name, [], generation.usage())
+        usage = generation.usage()
+        yield generation.chunk(object_name, [], Usage.of(usage.prompt_tokens, 0) if scores_prompt_only else usage)
 
 
-def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], first_offset: int) -> CompletionLogprobs:
+def _echoed_prompt_logprobs(
+    ctx: ServerContext, body: CompletionRequest, generation: Generation, choice: Choice,
+    entries: list[TokenLogprob | None] | None,
+) -> CompletionLogprobs:  # fmt: skip
+    """With echo, the prompt's tokens lead the logprobs; its first token has none (nothing scores it)."""
     result = CompletionLogprobs()
+    if not body.echo or entries is None:
+        return result
+    offset = 0
+    for token_id, entry in zip(generation.prompt_token_ids(choice), entries, strict=True):
+        token = ctx.token_text(token_id)
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append(_top(ctx, entry, body.logprobs))
+    return result
+
+
+def _append_logprobs(
+    ctx: ServerContext, result: CompletionLogprobs, entries: list[TokenLogprob], first_offset: int, num_top: int
+) -> CompletionLogprobs:
     offset = first_offset
     for entry in entries:
         token = ctx.token_text(entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
-        top: dict[str, float] = {}
-        for token_id, logprob in entry.top_logprobs:  # most likely first
-            top.setdefault(ctx.token_text(token_id), logprob)  # tokens that read alike keep the likeliest
-        result.top_logprobs.append(top)
+        result.top_logprobs.append(_top(ctx, entry, num_top))
         result.text_offset.append(offset)
         offset += len(token)
     return result
+
+
+def _top(ctx: ServerContext, entry: TokenLogprob, num_top: int) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for token_id, logprob in entry.top_logprobs[:num_top]:  # most likely first
+        top.setdefault(ctx.token_text(token_id), logprob)  # tokens that read alike keep the likeliest
+    return top

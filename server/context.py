@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from engine import SamplingParams
 from engine.async_engine import AsyncLLMEngine
+from engine.sampling_params import GrammarSpec
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
 from server.protocol import SamplingFields
@@ -36,7 +37,10 @@ class ServerContext:
     def count_disconnect(self) -> None:
         self.metrics.client_disconnects.inc()
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, body: SamplingFields, max_tokens: int, logprobs: int | None, grammar: GrammarSpec | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:  # fmt: skip
         """Checks the server's own caps; the engine checks the rest when the request is submitted."""
         limits = self.settings
         if not 1 <= body.n <= limits.max_n:
@@ -61,8 +65,21 @@ class ServerContext:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            logit_bias=_logit_bias(body.logit_bias),
+            structured_output=grammar,
         )
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _logit_bias(biases: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; the engine checks the ranges."""
+    pairs = []
+    for key, bias in (biases or {}).items():
+        if not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(pairs)

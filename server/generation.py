@@ -25,6 +25,7 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: RequestDelta) -> None:
         self.token_ids += delta.token_ids
@@ -32,7 +33,13 @@ class Choice:
         if delta.logprobs is not None:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs += delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason
+
+    def drop_output(self) -> None:
+        """Forget the generated tokens (a request that only scores its prompt generates one, not returned)."""
+        self.token_ids, self.text_parts, self.logprobs = [], [], None
 
     @property
     def text(self) -> str:
@@ -105,10 +112,13 @@ class Generation:
             self.abort()
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Each choice's deltas that carry text or a finish reason."""
+        """Each choice's deltas that carry text, prompt logprobs or a finish reason."""
         async for choice, delta in self.updates():
-            if delta.text or delta.finished:
+            if delta.text or delta.finished or delta.prompt_logprobs is not None:
                 yield choice, delta
+
+    def prompt_token_ids(self, choice: Choice) -> list[int]:
+        return self._prompts[choice.index // (len(self.choices) // len(self._prompts))]
 
     def usage(self) -> Usage:
         """Each prompt's tokens once (whatever n is), and every choice's generated tokens."""

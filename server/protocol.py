@@ -2,7 +2,7 @@
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,10 +24,39 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # refused when true: kvserve pads no chunks
+
+
+class JSONSchemaFormat(RequestModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(RequestModel):
-    """Fields shared by completions and chat, including the vLLM extras clients send in `extra_body`."""
+    """Fields shared by completions and chat, including the vLLM extras clients send in `extra_body`.
+
+    Fields the OpenAI API defines but kvserve does not serve are declared too, so that they are refused
+    by name (see `server/supported_fields.py`) instead of ignored; unknown vendor fields are ignored.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -47,6 +76,14 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -54,16 +91,57 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
-class TextPart(RequestModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(RequestModel):
+    """A part of a message's content: text is served; other types (images, audio, files) are refused by name."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class MessageToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages that called tools
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -73,6 +151,27 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that are accepted only with the values kvserve serves (see server/supported_fields.py).
+    modalities: list[str] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI fields that kvserve refuses whenever they are set.
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    metadata: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
 
 class TokenizeRequest(RequestModel):
@@ -113,6 +212,13 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, "PromptLogprob"] | None] | None = None  # vLLM's extra
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None  # 1 for the likeliest token; None where the prompt's token is outside the top N
+    decoded_token: str
 
 
 class CompletionResponse(BaseModel):
@@ -138,9 +244,16 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # left out of the body when the answer called no tools
 
 
 class ChatChoice(BaseModel):
@@ -157,11 +270,25 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's extra; left out unless asked
+
+
+class ToolCallFunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDeltaOut(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):

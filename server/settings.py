@@ -7,6 +7,7 @@ Precedence, lowest to highest: defaults < `--config` YAML < `KVSERVE_<FIELD>` en
 import os
 from dataclasses import fields
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -26,6 +27,9 @@ class _ServerOnlySettings(BaseModel):
     # What to serve (the checkpoint itself is the engine's `model`)
     served_model_name: str | None = Field(None, description="model name clients use; default: the directory name")
     chat_template: str | None = Field(None, description="Jinja chat template (text or file) over the tokenizer's")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description='how tool calls are read from the output for tool_choice "auto" (hermes: Qwen, Hermes)'
+    )
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -188,11 +188,18 @@ def test_an_empty_or_out_of_vocabulary_prompt_is_a_400_naming_the_prompt(server,
 BAD_CHATS = {
     "empty messages": ({"messages": []}, "messages"),
     "no messages": ({"messages": None}, "messages"),
-    "a tool role": ({"messages": [{"role": "tool", "content": "Hi"}]}, "messages.0.role"),
+    "a tool message without the call it answers": (
+        {"messages": [{"role": "tool", "content": "Hi"}]}, "messages.0.tool_call_id"
+    ),
+    "an unknown role": ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
     "a number as content": ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     "an image part": (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        "messages.0.content",
+        "messages.0.content.0.type",
+    ),
+    "an audio part": (
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
+        "messages.0.content.0.type",
     ),
     "top_logprobs without logprobs": ({"top_logprobs": 2}, "top_logprobs"),
     "top_logprobs 21": ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
