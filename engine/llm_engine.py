@@ -126,7 +126,7 @@ class LLMEngine:
             config.block_size,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._token_masks = TokenMasks(config.max_num_seqs, self.vocab_size)
+        self._token_masks = TokenMasks(config.max_num_seqs, self.vocab_size, self.device)
         self._states: dict[str, _RequestState] = {}
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self._request_counter = itertools.count()
@@ -269,7 +269,7 @@ class LLMEngine:
         if params.logprobs is not None:
             state.held_logprobs.append(TokenLogprob(token.token_id, token.logprob, token.top_logprobs))
         grammar = state.sampling_row.grammar
-        if grammar is not None and not grammar.accept_token(token.token_id):
+        if grammar is not None and not grammar.consume_token(token.token_id):
             # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
             logger.error("request %s: its grammar rejected sampled token %d", request.request_id, token.token_id)
             return self._finish(state, state.stop_filter.flush(), FinishReason.ABORT)

@@ -10,17 +10,13 @@ in any batch. Requests without a seed share the engine's generator (seeded from 
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import llguidance
 import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import xgrammar
-
-    from engine.structured_output import TokenMasks
+from engine.structured_output import TokenMasks
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class SamplingRow:
     generator: torch.Generator | None = None  # a seeded request's own; None: the batch's shared generator
     penalties: PenaltyState | None = None  # for requests with penalties
     logit_bias: LogitBias | None = None
-    grammar: "xgrammar.GrammarMatcher | None" = None  # structured outputs: what the request's output may continue with
+    grammar: llguidance.LLMatcher | None = None  # structured outputs: what the request's output may continue with
     banned_token_ids: tuple[int, ...] = ()  # never sampled this step (EOS and stop ids before min_tokens)
 
 
@@ -91,7 +87,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
-    token_masks: "TokenMasks | None" = None,
+    token_masks: TokenMasks | None = None,
 ) -> list[SampledToken]:  # fmt: skip
     """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows and
     `token_masks` applies the grammars of rows that have one."""
@@ -109,7 +105,7 @@ def sample(
         logits = _ban_tokens(logits, rows)
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
     if constrained:
-        token_masks.apply(logits, constrained, [rows[i].grammar for i in constrained])
+        logits = token_masks.apply(logits, constrained, [rows[i].grammar for i in constrained])
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:

@@ -189,7 +189,8 @@ BAD_CHATS = {
     "empty messages": ({"messages": []}, "messages"),
     "no messages": ({"messages": None}, "messages"),
     "a tool message without the call it answers": (
-        {"messages": [{"role": "tool", "content": "Hi"}]}, "messages.0.tool_call_id"
+        {"messages": [{"role": "tool", "content": "Hi"}]},
+        "messages.0.tool_call_id",
     ),
     "an unknown role": ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
     "a number as content": ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
@@ -398,9 +399,14 @@ WRONG_VALUES = [None, True, "x", [], {}, -1, 2**64, 1e308, -1e308, [2**64], ["x"
 COMPLETION_FIELDS = [
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
     "frequency_penalty", "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty",
-    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "logprobs", "echo",
+    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "logprobs", "echo", "best_of", "suffix",
+    "logit_bias", "prompt_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
 ]  # fmt: skip
-CHAT_FIELDS = ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"]
+CHAT_FIELDS = [
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "tools", "tool_choice",
+    "parallel_tool_calls", "response_format", "modalities", "service_tier", "store", "audio", "metadata",
+]  # fmt: skip
 
 
 def test_no_wrongly_typed_or_extreme_value_in_any_field_is_a_server_error(server, client):
