@@ -126,7 +126,7 @@ class LLMEngine:
             config.block_size,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._token_masks = TokenMasks(config.max_num_seqs, self.vocab_size, self.device)
+        self._token_masks = TokenMasks(config.max_num_seqs, self.grammars.mask_vocab_size, self.vocab_size, self.device)
         self._states: dict[str, _RequestState] = {}
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self._request_counter = itertools.count()

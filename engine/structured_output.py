@@ -19,7 +19,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import GrammarSpec
@@ -34,8 +34,12 @@ class GrammarCompiler:
     """Builds `GrammarSpec`s into matchers for one tokenizer; a spec built before comes from the cache."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
-        # A vocabulary as wide as the logits, which may be wider than the tokenizer's.
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids))
+        self._hf_tokenizer = tokenizer
+        self._stop_token_ids = sorted(stop_token_ids)
+        # Masks span the logits, which may be wider than the tokenizer, or narrower (Qwen2's tokenizers add
+        # tokens the model never produces); columns past the logits are cut off when a mask is applied.
+        self.mask_vocab_size = max(vocab_size, len(tokenizer))
+        self._tokenizer: llguidance.LLTokenizer | None = None  # made on first use (a second for 128k tokens)
         self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()  # fresh matchers, to copy
         self._lock = threading.Lock()
 
@@ -47,6 +51,10 @@ class GrammarCompiler:
             if matcher is not None:
                 self._cache.move_to_end(spec)
                 return matcher
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.mask_vocab_size, eos_token=self._stop_token_ids
+                )
         # Outside the lock (llguidance drops the GIL while it builds): a large grammar holds up no other request.
         grammar = _grammar(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
@@ -78,10 +86,17 @@ def _grammar(spec: GrammarSpec) -> str:
                 choices = json.loads(spec.source)
                 return llguidance.LLMatcher.grammar_from_regex("|".join(map(_literal_regex, choices)))
             case "grammar":  # Lark, or GBNF (as llama.cpp and xgrammar take it)
-                return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.source))
-    except (ValueError, TypeError, GbnfToLarkError) as error:
+                return llguidance.LLMatcher.grammar_from_lark(_lark(spec.source))
+    except (ValueError, TypeError) as error:
         raise InvalidRequestError("structured_output", f"the {spec.kind} is not valid: {error}") from None
     raise InvalidRequestError("structured_output", f"unknown kind of grammar {spec.kind!r}")
+
+
+def _lark(grammar: str) -> str:
+    try:
+        return any_to_lark(grammar)
+    except Exception as error:  # the GBNF converter raises a bare Exception for a rule it cannot find
+        raise ValueError(str(error)) from None
 
 
 def _closed_objects(schema):
@@ -104,9 +119,9 @@ def _literal_regex(text: str) -> str:
 class TokenMasks:
     """Applies the grammars of a step's constrained rows to its logits."""
 
-    def __init__(self, max_num_rows: int, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
-        self._bitmask = llguidance.torch.allocate_token_bitmask(max_num_rows, vocab_size)
+    def __init__(self, max_num_rows: int, mask_vocab_size: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size  # of the logits
+        self._bitmask = llguidance.torch.allocate_token_bitmask(max_num_rows, mask_vocab_size)
         self._byte_biases = BYTE_BIASES.to(device)
         self._executor = llguidance.LLExecutor()
 

@@ -13,9 +13,9 @@ from server.protocol import SamplingFields
 async def compiled_grammar(ctx: ServerContext, body: SamplingFields) -> GrammarSpec | None:
     """The request's constraint, compiled (a 400 naming its field if it does not compile), or None;
     a 400 if it asks for more than one."""
-    specs = [(name, spec) for name, spec in _candidates(body) if spec is not None]
+    specs = [(param, spec) for param, spec in _candidates(body) if spec is not None]
     if len(specs) > 1:
-        names = ", ".join(name for name, _ in specs)
+        names = ", ".join(param for param, _ in specs)
         raise bad_request(f"give at most one structured-output constraint, got {names}", param=specs[1][0])
     if not specs:
         return None
@@ -31,42 +31,48 @@ async def compile_grammar(ctx: ServerContext, param: str, spec: GrammarSpec) -> 
 
 
 def _candidates(body: SamplingFields):
-    yield "response_format", _from_response_format(body)
-    yield "structured_outputs", _from_structured_outputs(body)
-    yield "guided_json", None if body.guided_json is None else json_schema_spec(body.guided_json, "guided_json")
-    yield "guided_regex", None if body.guided_regex is None else GrammarSpec("regex", body.guided_regex)
-    yield "guided_choice", None if body.guided_choice is None else choice_spec(body.guided_choice, "guided_choice")
-    yield "guided_grammar", None if body.guided_grammar is None else GrammarSpec("grammar", body.guided_grammar)
+    """(the field that holds it, the constraint) for each field of the request that can hold one."""
+    yield _from_response_format(body)
+    yield _from_structured_outputs(body)
+    if body.guided_json is not None:
+        yield "guided_json", json_schema_spec(body.guided_json, "guided_json")
+    if body.guided_regex is not None:
+        yield "guided_regex", GrammarSpec("regex", body.guided_regex)
+    if body.guided_choice is not None:
+        yield "guided_choice", choice_spec(body.guided_choice, "guided_choice")
+    if body.guided_grammar is not None:
+        yield "guided_grammar", GrammarSpec("grammar", body.guided_grammar)
 
 
-def _from_response_format(body: SamplingFields) -> GrammarSpec | None:
+def _from_response_format(body: SamplingFields) -> tuple[str, GrammarSpec | None]:
     response_format = body.response_format
     if response_format is None or response_format.type == "text":
-        return None
+        return "response_format", None
     if response_format.type == "json_object":
-        return GrammarSpec("json_object")
+        return "response_format", GrammarSpec("json_object")
     json_schema = response_format.json_schema
+    param = "response_format.json_schema.schema"
     if json_schema is None or json_schema.schema_ is None:
-        raise bad_request("response_format json_schema needs json_schema.schema", param="response_format.json_schema")
-    return json_schema_spec(json_schema.schema_, "response_format.json_schema.schema", strict=bool(json_schema.strict))
+        raise bad_request("response_format json_schema needs json_schema.schema", param=param)
+    return param, json_schema_spec(json_schema.schema_, param, strict=bool(json_schema.strict))
 
 
-def _from_structured_outputs(body: SamplingFields) -> GrammarSpec | None:
+def _from_structured_outputs(body: SamplingFields) -> tuple[str, GrammarSpec | None]:
+    param = "structured_outputs"
     outputs = body.structured_outputs
     if outputs is None:
-        return None
-    param = "structured_outputs"
-    given = [
-        spec
-        for spec in (
-            None if outputs.json_ is None else json_schema_spec(outputs.json_, f"{param}.json"),
-            None if outputs.regex is None else GrammarSpec("regex", outputs.regex),
-            None if outputs.choice is None else choice_spec(outputs.choice, f"{param}.choice"),
-            None if outputs.grammar is None else GrammarSpec("grammar", outputs.grammar),
-            GrammarSpec("json_object") if outputs.json_object else None,
-        )
-        if spec is not None
-    ]
+        return param, None
+    given = []
+    if outputs.json_ is not None:
+        given.append((f"{param}.json", json_schema_spec(outputs.json_, f"{param}.json")))
+    if outputs.regex is not None:
+        given.append((f"{param}.regex", GrammarSpec("regex", outputs.regex)))
+    if outputs.choice is not None:
+        given.append((f"{param}.choice", choice_spec(outputs.choice, f"{param}.choice")))
+    if outputs.grammar is not None:
+        given.append((f"{param}.grammar", GrammarSpec("grammar", outputs.grammar)))
+    if outputs.json_object:
+        given.append((f"{param}.json_object", GrammarSpec("json_object")))
     if len(given) != 1:
         raise bad_request(f"{param} must give exactly one of json, regex, choice, grammar, json_object", param=param)
     return given[0]

@@ -7,6 +7,7 @@ import torch
 
 from engine.sampler import PenaltyState, SamplingRow, sample
 from engine.sampling_params import SamplingParams
+from engine.structured_output import bitmask_biases
 
 # Six tokens with known probabilities, placed at shuffled positions so no filter can rely on the index order.
 PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]
@@ -307,3 +308,14 @@ def test_rows_without_logprobs_return_no_top_logprobs():
     without, with_seven = sample(logits, rows)
     assert without.top_logprobs == []
     assert len(with_seven.top_logprobs) == 7
+
+
+@pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 100])
+def test_bitmask_biases_open_exactly_the_tokens_whose_bits_are_set(vocab_size):
+    generator = torch.Generator().manual_seed(vocab_size)
+    bitmask = torch.randint(-(2**31), 2**31, (3, -(-vocab_size // 32)), dtype=torch.int32, generator=generator)
+    biases = bitmask_biases(bitmask, vocab_size)
+    for row in range(3):
+        for token in range(vocab_size):
+            is_set = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
+            assert biases[row, token].item() == (0.0 if is_set else -math.inf)
