@@ -119,6 +119,18 @@ def test_auto_reads_hermes_calls_out_of_the_models_text(client):
     assert choice.finish_reason == "tool_calls"
 
 
+def test_auto_streams_the_content_then_the_call(client):
+    text = 'Let me check. <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    chunks = [chunk.choices[0] for chunk in ask(client, stream=True, extra_body={"guided_regex": _literal_regex(text)})
+              if chunk.choices]  # fmt: skip
+    content = "".join(choice.delta.content or "" for choice in chunks)
+    fragments = [call for choice in chunks for call in choice.delta.tool_calls or []]
+    assert content == "Let me check."
+    assert (fragments[0].function.name, fragments[0].index) == ("get_time", 0)
+    assert json.loads("".join(fragment.function.arguments for fragment in fragments)) == {"tz": "UTC"}
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
 def test_auto_without_a_call_is_plain_content(client):
     choice = ask(client, max_tokens=8, seed=0).choices[0]
     assert choice.message.tool_calls is None
