@@ -39,6 +39,8 @@ class EngineStepError(RuntimeError):
     """A model step failed while this request was in flight."""
 
 
+EXPERT_TOKENS_INTERVAL_S = 1.0  # how often the expert-load counts are read off the device
+
 # What clients are told: the exception itself (which may name files and lines) goes to the log only.
 STEP_FAILED_MESSAGE = "the model step failed while this request was in flight; the server log has the details"
 
@@ -131,6 +133,7 @@ class AsyncLLMEngine:
         self._num_in_flight = 0  # submitted and not yet finished, aborted or failed
         self._num_running = 0  # published by the engine thread after each step
         self._last_progress_s = time.monotonic()
+        self._expert_tokens_read_s = 0.0
         self._num_failed_steps_in_a_row = 0
         self._last_failure_s = 0.0
         self._refusal: str | None = None  # why new requests are refused; None while accepting
@@ -309,6 +312,12 @@ class AsyncLLMEngine:
         self._num_running = 0
 
     def _report_stats(self) -> None:
-        stats = self._stats.collect(self.engine.scheduler)  # collected even unread, so nothing piles up
+        expert_tokens = None
+        now_s = time.monotonic()
+        # A read waits for the device: about once a second, and when the engine goes idle (all counted).
+        due = now_s - self._expert_tokens_read_s >= EXPERT_TOKENS_INTERVAL_S or not self.engine.has_unfinished()
+        if due:
+            expert_tokens, self._expert_tokens_read_s = self.engine.take_expert_tokens(), now_s
+        stats = self._stats.collect(self.engine.scheduler, expert_tokens)  # collected even unread: nothing piles up
         if self._on_stats is not None:
             self._on_stats(stats)

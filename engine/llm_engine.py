@@ -16,6 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_sizing import kv_cache_budget_bytes
 from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
 from engine.model_runner import ModelRunner
+from engine.models.moe import SparseMoeBlock
 from engine.outputs import RequestDelta, TokenLogprob
 from engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ from engine.structured_output import GrammarCompiler, TokenMasks
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from kernels import AttentionShape, select_attention_backend
 from kvcache import BlockAllocator, KVCache, KVCacheSpec, KVUsage
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.dtype = config.torch_dtype(self.device, checkpoint_dtype(self.model_dir))
         self.model = load_model(self.model_dir, self.dtype, self.device)
+        self._moe_blocks = [module for module in self.model.modules() if isinstance(module, SparseMoeBlock)]
         model_config = self.model.config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
@@ -112,6 +114,7 @@ class LLMEngine:
             logger.info("kernels compiled and warmed up in %.1f s", self.runner.warm_up())
             if not config.enforce_eager:
                 self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs))
+            self.take_expert_tokens()  # the warm-up's and captures' tokens are no load
 
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -177,6 +180,8 @@ class LLMEngine:
         # A cached prefix has no logits: a request that wants the prompt's logprobs computes all of it.
         wants_prompt_logprobs = params.prompt_logprobs is not None
         request = Request(request_id, prompt_token_ids, reuses_cached_prefix=not wants_prompt_logprobs)
+        if self._rotates_long(request):
+            self._keep_out_of_prefix_cache(request)
         self.scheduler.add(request)
         self._states[request_id] = _RequestState(
             request=request,
@@ -201,8 +206,20 @@ class LLMEngine:
     def kv_usage(self) -> KVUsage:
         return self.scheduler.kv_usage()
 
+    def take_expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert, summed over the MoE layers, since the last call (empty without experts).
+        Waits for the device: call it now and then, not every step."""
+        if not self._moe_blocks:
+            return []
+        counts = torch.stack([block.expert_tokens for block in self._moe_blocks]).sum(dim=0).tolist()
+        for block in self._moe_blocks:
+            block.expert_tokens.zero_()
+        return counts
+
     def step(self) -> list[RequestDelta]:
         """Run one batch; return the delta of every request that released text or finished."""
+        if self.runner.inputs.long_rope is not None:
+            self._recompute_requests_grown_past_short_rope()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
@@ -225,6 +242,25 @@ class LLMEngine:
                 del self._states[state.request.request_id]
             deltas.append(delta)
         return deltas
+
+    def _rotates_long(self, request: Request) -> bool:
+        """LongRoPE: a sequence longer than the original context rotates all its tokens with the long set."""
+        long_rope = self.runner.inputs.long_rope
+        return long_rope is not None and request.num_tokens > long_rope[0]
+
+    def _keep_out_of_prefix_cache(self, request: Request) -> None:
+        # Its keys are rotated with the long set: not those a shorter sequence's prefix would have.
+        request.reuses_cached_prefix = request.caches_blocks = False
+
+    def _recompute_requests_grown_past_short_rope(self) -> None:
+        """A sequence that grew past the original context computes its whole cache again with the long
+        frequencies, as HF does (Phi-3's `prepare_inputs_for_generation` drops its cache there)."""
+        # Whether a request still shares the prefix cache tells that its keys were rotated with the short set.
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.caches_blocks and self._rotates_long(request):
+                self._keep_out_of_prefix_cache(request)
+                if request.status is RequestStatus.RUNNING:
+                    self.scheduler.recompute(request)
 
     def _prompt_logprob_rows(self, output: SchedulerOutput) -> tuple[list[int], list[tuple[_RequestState, int]]]:
         """The step's token rows whose logits score a prompt token still without a logprob, and for each

@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
 from engine.models.layers import PackedLinear, pack_linear_weights
+from engine.models.moe import Experts, SparseMoeBlock
 from engine.models.rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that kvserve recomputes.
@@ -43,9 +44,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         model = DecoderForCausalLM(config).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    for module in model.modules():
+    for module in model.modules():  # buffers `to_empty` left uninitialized
         if isinstance(module, RotaryEmbedding):
             module.compute_tables()
+        elif isinstance(module, SparseMoeBlock):
+            module.expert_tokens.zero_()
     _load_weights(model, _safetensors_files(model_dir))
     pack_linear_weights(model)
     return model.eval()
@@ -76,43 +79,59 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def checkpoint_destinations(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
-    """Each checkpoint tensor's name and the parameter, or rows of a packed parameter, it fills."""
+    """Each checkpoint tensor's name and the parameter, or part of a packed or stacked parameter, it fills."""
     destinations = {}
     for module_name, module in model.named_modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            if not isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear | Experts):
+            destinations.update(module.checkpoint_tensors(module_name))
+        else:
+            for name, parameter in module.named_parameters(recurse=False):
                 destinations[f"{module_name}.{name}"] = parameter
-                continue
-            parent, offset = module_name.rpartition(".")[0], 0
-            for part, size in module.parts.items():
-                destinations[f"{parent}.{part}.{name}"] = parameter.narrow(0, offset, size)
-                offset += size
     if model.config.tie_word_embeddings:
         del destinations["lm_head.weight"]  # the embedding's weight
     return destinations
 
 
+def fused_destinations(model: DecoderForCausalLM) -> dict[str, tuple[torch.Tensor, list[str]]]:
+    """Packed parameters by the name a fused checkpoint (Phi-3's `qkv_proj`, `gate_up_proj`) stores them under,
+    with the part names each stands for."""
+    fused = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            for name, parts in module.fused_checkpoint_names(module_name).items():
+                fused[name] = (model.get_parameter(name), parts)
+    return fused
+
+
 def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
-    destinations = checkpoint_destinations(model)
+    destinations = {name: (tensor, [name]) for name, tensor in checkpoint_destinations(model).items()}
+    destinations.update(fused_destinations(model))
     loaded: set[str] = set()
     with torch.no_grad():
         for path in files:
             with safe_open(str(path), framework="pt") as shard:
-                for name in shard.keys():  # noqa: SIM118 - safe_open has no __iter__
+                for stored_name in shard.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    name = _renamed(stored_name, model.config.checkpoint_renames)
                     if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and model.config.tie_word_embeddings
                     ):
                         continue
                     if name not in destinations:
-                        raise CheckpointError(f"unexpected weight {name!r} in {path.name}")
-                    tensor = shard.get_tensor(name)
-                    if tensor.shape != destinations[name].shape:
+                        raise CheckpointError(f"unexpected weight {stored_name!r} in {path.name}")
+                    destination, filled_names = destinations[name]
+                    tensor = shard.get_tensor(stored_name)
+                    if tensor.shape != destination.shape:
                         raise CheckpointError(
-                            f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(destinations[name].shape)}"
+                            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
                         )
-                    destinations[name].copy_(tensor)
-                    loaded.add(name)
-    missing = sorted(set(destinations) - loaded)
+                    destination.copy_(tensor)
+                    loaded.update(filled_names)
+    missing = sorted(set(checkpoint_destinations(model)) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for stored, ours in renames:
+        name = name.replace(stored, ours)
+    return name

@@ -38,7 +38,7 @@ class ModelRunner:
         # A padded decode batch has up to max_num_seqs tokens, maybe more than the token budget.
         self.inputs = InputBuffers(
             max_num_seqs, max(max_num_batched_tokens, max_num_seqs), -(-max_model_len // block_size), block_size,
-            kv_cache.padding_block, device,
+            kv_cache.padding_block, device, long_rope=model.model.rotary.long_rope,
         )  # fmt: skip
         self.decode_graphs: DecodeGraphs | None = None
 

@@ -52,6 +52,9 @@ class StepStats:
     inter_token_latency_s: list[float] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)  # one per request that finished, any reason
     completed: list[CompletedRequestStats] = field(default_factory=list)
+    # Tokens routed to each expert (summed over MoE layers) since the last report that had them; empty in the
+    # reports between (they are read about once a second) and for models without experts.
+    expert_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -103,7 +106,7 @@ class StatsTracker:
         if reason in ("stop", "length"):
             self._pending.completed.append(_completed(times))
 
-    def collect(self, scheduler: Scheduler) -> StepStats:
+    def collect(self, scheduler: Scheduler, expert_tokens: list[int] | None = None) -> StepStats:
         """Everything since the last call, with the queues and KV cache as they are now."""
         pending, self._pending = self._pending, _Pending()
         queried, hit = scheduler.prefix_cache_queried_tokens, scheduler.prefix_cache_hit_tokens
@@ -123,6 +126,7 @@ class StatsTracker:
             inter_token_latency_s=pending.inter_token_latency_s,
             finish_reasons=pending.finish_reasons,
             completed=pending.completed,
+            expert_tokens=expert_tokens or [],
         )
         self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit
         return stats

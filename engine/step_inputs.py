@@ -103,20 +103,26 @@ class InputBuffers:
 
     def __init__(
         self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int, block_size: int, padding_block: int,
-        device: torch.device,
+        device: torch.device, long_rope: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
+        """`long_rope` (LongRoPE models): (original context, offset of the long rows in the rotary tables); then
+        `positions` are rows of those tables, the long ones for the tokens of sequences longer than the original
+        context (prompt and output so far, as HF decides it)."""
         self.block_size = block_size
+        self.long_rope = long_rope
         self.block_tables = BlockTableRows(max_num_seqs, max_blocks_per_seq, padding_block, device)
         self.host_input_ids = _host_buffer(max_num_tokens, torch.int64, device)
         self.host_query_start_loc = _host_buffer(max_num_seqs + 1, torch.int32, device)
         self.host_seq_lens = _host_buffer(max_num_seqs, torch.int32, device)
         self.host_rows = _host_buffer(max_num_seqs, torch.int64, device)
         self.host_sample_rows = _host_buffer(max_num_seqs, torch.int64, device)
+        self.host_sequence_lens = _host_buffer(max_num_seqs, torch.int64, device)
         self.input_ids = _device_twin(self.host_input_ids, device)
         self.query_start_loc = _device_twin(self.host_query_start_loc, device)
         self.seq_lens = _device_twin(self.host_seq_lens, device)
         self.rows = _device_twin(self.host_rows, device)
         self.sample_rows = _device_twin(self.host_sample_rows, device)
+        self.sequence_lens = _device_twin(self.host_sequence_lens, device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.step_block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -153,13 +159,18 @@ class InputBuffers:
         self.host_rows.numpy()[:padded] = rows + [self.block_tables.padding_row] * num_padding
         self.host_sample_rows.numpy()[: len(sample_rows)] = sample_rows
         self.block_tables.flush()
-        for host, device_buffer, count in (
+        copies = [
             (self.host_input_ids, self.input_ids, total_tokens),
             (self.host_query_start_loc, self.query_start_loc, padded + 1),
             (self.host_seq_lens, self.seq_lens, padded),
             (self.host_rows, self.rows, padded),
             (self.host_sample_rows, self.sample_rows, len(sample_rows)),
-        ):
+        ]
+        if self.long_rope is not None:
+            sequence_lens = [item.request.num_tokens for item in scheduled]
+            self.host_sequence_lens.numpy()[:padded] = sequence_lens + [1] * num_padding
+            copies.append((self.host_sequence_lens, self.sequence_lens, padded))
+        for host, device_buffer, count in copies:
             _to_device(host[:count], device_buffer[:count])
 
         self._derive_positions_and_slots(total_tokens, padded)
@@ -187,3 +198,7 @@ class InputBuffers:
         torch.index_select(self.block_tables.device_table, 0, self.rows[:num_seqs], out=block_tables)
         block_ids = block_tables[seq_index, positions // self.block_size].long()
         self.slot_mapping[:total_tokens] = block_ids * self.block_size + positions % self.block_size
+        if self.long_rope is not None:
+            original_len, long_rows = self.long_rope
+            rotates_long = self.sequence_lens[:num_seqs][seq_index] > original_len
+            self.positions[:total_tokens] = positions + long_rows * rotates_long

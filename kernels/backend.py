@@ -1,6 +1,6 @@
 """The backend a model calls for its kernels: a KV store and a paged attention over the same cache,
-and the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary embeddings); and the
-choice of backend per device."""
+the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary embeddings) and the
+mixture-of-experts MLPs; and the choice of backend per device."""
 
 import os
 from dataclasses import dataclass
@@ -46,6 +46,21 @@ class AttentionBackend(Protocol):
     def rotary_embedding(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fused_moe(
+        self,
+        hidden: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Mixture-of-experts MLPs: out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
+        e = topk_ids[t, k], for hidden [tokens, hidden_size]. gate_up_weight [experts, 2 * intermediate, hidden_size]
+        (gate rows, then up) and down_weight [experts, hidden_size, intermediate] share hidden's dtype;
+        topk_weights [tokens, top_k] (fp32, normalised by the caller), topk_ids [tokens, top_k] (in [0, experts)).
+        Returns a new [tokens, hidden_size] tensor in hidden's dtype."""
+        ...
 
 
 @dataclass(frozen=True)

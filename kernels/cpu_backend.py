@@ -1,10 +1,11 @@
-"""The CPU backend: the C++ kernels (KV store, decode attention, fused layer ops), torch SDPA for prompt chunks."""
+"""The CPU backend: the C++ kernels (KV store, decode attention, fused layer ops), torch SDPA for prompt chunks,
+the torch path for mixture-of-experts MLPs."""
 
 from dataclasses import dataclass
 
 import torch
 
-from kernels import torch_paged_attention
+from kernels import torch_moe, torch_paged_attention
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_kv import PagedKV
 
@@ -52,3 +53,7 @@ class CpuAttentionBackend:
     def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         torch.ops.kvserve_cpu.rotary_embedding(positions, query, key, cos, sin)
         return query, key
+
+    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
+        # Per-expert GEMMs are where the time goes, and torch's CPU GEMMs already run them well.
+        return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

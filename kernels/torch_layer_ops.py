@@ -5,6 +5,8 @@ tested against these."""
 import torch
 import torch.nn.functional as F
 
+from kernels import torch_moe
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32, cast back, times the weight."""
@@ -57,3 +59,6 @@ class TorchLayerOps:
 
     def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_embedding(positions, query, key, cos, sin)
+
+    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
+        return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

@@ -1,11 +1,12 @@
-"""The Triton attention backend: every KV write and attention call of a step through our kernels."""
+"""The Triton attention backend: every KV write and attention call of a step, the layer ops and the
+mixture-of-experts MLPs through our kernels."""
 
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from kernels import triton_layer_ops
+from kernels import triton_layer_ops, triton_moe
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import AttentionShape
 from kernels.paged_kv import PagedKV
@@ -91,3 +92,6 @@ class TritonAttentionBackend:
 
     def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_layer_ops.rotary_embedding(positions, query, key, cos, sin)
+
+    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
+        return triton_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

@@ -37,7 +37,8 @@ class Request:
     num_preemptions: int = 0
     block_keys: list[BlockKey] = field(default_factory=list)  # contents of the full blocks known so far
     num_registered_blocks: int = 0  # leading blocks of block_ids that the prefix cache can find
-    reuses_cached_prefix: bool = True  # False: computes its whole prompt (its blocks are still cached for others)
+    reuses_cached_prefix: bool = True  # False: computes its whole prompt
+    caches_blocks: bool = True  # False: its blocks are not offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:

@@ -82,7 +82,7 @@ class Scheduler:
             item.request.num_computed_tokens += item.num_new_tokens
             if item.samples_next_token:
                 item.request.output_token_ids.append(next(sampled))
-            if self.config.enable_prefix_caching:
+            if self.config.enable_prefix_caching and item.request.caches_blocks:
                 self._register_full_blocks(item.request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
@@ -98,6 +98,15 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]
+
+    def recompute(self, request: Request) -> None:
+        """Put a running request back at the front of the queue to compute all its tokens again, in new
+        blocks (its old ones stay cached for others)."""
+        self.running.remove(request)
+        self._left_running.append(request.request_id)
+        self._release_blocks(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def abort(self, request_id: str) -> Request | None:
         request = self._requests.get(request_id)

@@ -80,6 +80,14 @@ class ServerMetrics:
         )
         self.prefix_cache_hit_tokens = counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.")
         self.client_disconnects = counter("client_disconnects", "Clients that went away before their answer was done.")
+        self.moe_expert_tokens = Counter(
+            PREFIX + "moe_expert_tokens", "Tokens routed to each expert, summed over the MoE layers (MoE models).",
+            ["model_name", "expert"], registry=self.registry,
+        )  # fmt: skip
+        self.moe_expert_load_imbalance = gauge(
+            "moe_expert_load_imbalance",
+            "Tokens of the busiest expert over the mean per expert, in the last second with traffic (1 = even).",
+        )
         finished = Counter(PREFIX + "requests_finished", "Requests finished, by reason.",
                            ["model_name", "finished_reason"], registry=self.registry)  # fmt: skip
         self.requests_finished = {reason: finished.labels(model, reason) for reason in FINISH_REASONS}
@@ -152,6 +160,8 @@ class ServerMetrics:
         ):
             if amount:
                 counter.inc(amount)
+        if any(stats.expert_tokens):
+            self._record_expert_tokens(stats.expert_tokens)
         self.time_to_first_token.observe_all(stats.time_to_first_token_s)
         self.inter_token_latency.observe_all(stats.inter_token_latency_s)
         for reason in stats.finish_reasons:
@@ -164,6 +174,12 @@ class ServerMetrics:
             self.request_decode_time.observe_all(request.decode_time_s for request in completed)
             self.request_prompt_tokens.observe_all(request.num_prompt_tokens for request in completed)
             self.request_generation_tokens.observe_all(request.num_generation_tokens for request in completed)
+
+    def _record_expert_tokens(self, expert_tokens: list[int]) -> None:
+        for expert, tokens in enumerate(expert_tokens):
+            if tokens:
+                self.moe_expert_tokens.labels(self._model_name, str(expert)).inc(tokens)
+        self.moe_expert_load_imbalance.set(max(expert_tokens) * len(expert_tokens) / sum(expert_tokens))
 
     def count_http_request(self, route: str, method: str, status: int) -> None:
         self._http_requests.labels(self._model_name, route, method, str(status)).inc()

@@ -45,8 +45,8 @@ def test_rope_inverse_frequencies_match_hf(case):
 
 
 def test_unknown_rope_type_is_refused():
-    with pytest.raises(UnsupportedRopeError, match="longrope"):
-        inverse_frequencies(RopeConfig(head_dim=64, theta=1e4, rope_type="longrope"))
+    with pytest.raises(UnsupportedRopeError, match="'dynamic'"):
+        inverse_frequencies(RopeConfig(head_dim=64, theta=1e4, rope_type="dynamic"))
 
 
 def test_mistral_maps_onto_the_llama_decoder_and_its_sliding_window_caps_the_context():

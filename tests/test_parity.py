@@ -3,6 +3,7 @@ scheduling path: one batch, staggered admission (prefill and decode mixed in a s
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,9 +37,13 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model):
+    return build_hf_reference(tiny_model)
+
+
+def build_hf_reference(model_dir: Path) -> list:
     """Prompts, HF `generate` greedy tokens and logprobs, and the prompt's logprobs, each prompt run alone."""
-    vocab_size = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     # Without an EOS, HF neither stops early nor masks EOS (as min_new_tokens would): like ignore_eos.
     model.generation_config.eos_token_id = None
     reference = []

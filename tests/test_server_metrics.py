@@ -31,6 +31,8 @@ EXPECTED_TYPES = {
     "kvserve:prefix_cache_queried_tokens": "counter",
     "kvserve:prefix_cache_hit_tokens": "counter",
     "kvserve:client_disconnects": "counter",
+    "kvserve:moe_expert_tokens": "counter",
+    "kvserve:moe_expert_load_imbalance": "gauge",
     "kvserve:requests_finished": "counter",
     "kvserve:requests_rejected": "counter",
     "kvserve:http_requests": "counter",
@@ -49,6 +51,7 @@ EXTRA_LABELS = {  # beyond model_name (and a histogram bucket's `le`)
     "kvserve:requests_finished": {"finished_reason"},
     "kvserve:requests_rejected": {"reason"},
     "kvserve:http_requests": {"route", "method", "status"},
+    "kvserve:moe_expert_tokens": {"expert"},
 }
 
 

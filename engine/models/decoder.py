@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over packed tokens and a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and with experts Mixtral, Qwen2-MoE, Qwen3-MoE) over
+packed tokens and a paged KV cache.
 
 Module and parameter names mirror the HF checkpoints, so weights load by name. Tokens of all
 requests in a step are packed along one axis; attention reads and writes the paged cache
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.models.layers import Linear, PackedLinear, RMSNorm
+from engine.models.moe import MoeConfig, SparseMoeBlock
 from engine.models.rope import RopeConfig, RotaryEmbedding
 from kernels import AttentionBackend, AttentionMetadata, PagedKV
 
@@ -32,6 +34,10 @@ class DecoderConfig:
     o_proj_bias: bool = False  # Llama's attention_bias also covers o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
+    moe: MoeConfig | None = None  # mixture-of-experts feed-forward blocks on its `sparse_layers`
+    # (checkpoint spelling, kvserve's) substitutions applied to weight names, e.g. Mixtral's
+    # `block_sparse_moe.experts.0.w1` for `mlp.experts.0.gate_proj`.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
 
 class Attention(nn.Module):
@@ -73,21 +79,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        size = intermediate_size
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias)
+        self.down_proj = Linear(size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary)
-        self.mlp = MLP(config)
+        if config.moe is not None and index in config.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, MLP)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,9 +115,9 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         # One rotary table shared by all layers (a buffer, not a checkpoint weight).
-        rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

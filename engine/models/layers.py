@@ -55,6 +55,27 @@ class PackedLinear(Linear):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = parts
 
+    def checkpoint_tensors(self, module_name: str) -> dict[str, torch.Tensor]:
+        """The checkpoint names that fill this layer's rows: each part's, beside this module
+        (`...self_attn.q_proj.weight` for `...self_attn.qkv_proj`). See `fused_checkpoint_names` for
+        checkpoints that store the packed tensor whole (Phi-3)."""
+        prefix = module_name.rpartition(".")[0]
+        tensors = {}
+        for name, parameter in self.named_parameters(recurse=False):
+            offset = 0
+            for part, size in self.parts.items():
+                tensors[f"{prefix}.{part}.{name}"] = parameter.narrow(0, offset, size)
+                offset += size
+        return tensors
+
+    def fused_checkpoint_names(self, module_name: str) -> dict[str, list[str]]:
+        """The name of each packed parameter as a fused checkpoint stores it, and the part names it stands for."""
+        prefix = module_name.rpartition(".")[0]
+        return {
+            f"{module_name}.{name}": [f"{prefix}.{part}.{name}" for part in self.parts]
+            for name, _ in self.named_parameters(recurse=False)
+        }
+
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The output of each part, as views of one GEMM's output."""
         return self(x).split(tuple(self.parts.values()), dim=-1)

@@ -1,6 +1,7 @@
 """Supported HF architectures and how their configs map onto `DecoderConfig`."""
 
 from engine.models.decoder import DecoderConfig
+from engine.models.moe import MoeConfig
 from engine.models.rope import RopeConfig
 
 
@@ -8,10 +9,20 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or one of its settings is not supported."""
 
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# Qwen2 always has q/k/v biases and no o_proj bias; the others follow `attention_bias` for all four.
-_QWEN2 = "Qwen2ForCausalLM"
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+)  # fmt: skip
+# Qwen2 and Qwen2-MoE have q/k/v biases (Qwen2-MoE's `qkv_bias`) and no o_proj bias; the others follow
+# `attention_bias` for all four.
+_QWEN2_ATTENTION = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Mixtral's checkpoints name the expert block and its projections differently.
+_MIXTRAL_RENAMES = (
+    (".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"), (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+)  # fmt: skip
 
 
 def decoder_config_from_hf(hf_config) -> DecoderConfig:
@@ -29,6 +40,8 @@ def decoder_config_from_hf(hf_config) -> DecoderConfig:
     rope_parameters = dict(hf_config.rope_parameters or {})
     if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if rope_parameters.get("rope_type") == "longrope":
+        rope_parameters = _longrope_parameters(hf_config, rope_parameters)
     return DecoderConfig(
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
@@ -46,10 +59,44 @@ def decoder_config_from_hf(hf_config) -> DecoderConfig:
             parameters=rope_parameters,
         ),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=architecture == _QWEN2 or attention_bias,
-        o_proj_bias=architecture != _QWEN2 and attention_bias,
+        qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if architecture in _QWEN2_ATTENTION else attention_bias,
+        o_proj_bias=architecture not in _QWEN2_ATTENTION and attention_bias,
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+        moe=_moe_config(architecture, hf_config),
+        checkpoint_renames=_MIXTRAL_RENAMES if architecture == "MixtralForCausalLM" else (),
+    )
+
+
+def _longrope_parameters(hf_config, rope_parameters: dict) -> dict:
+    """As HF reads them: the original context from the rope dict or the config, and the extension factor
+    from the two context lengths where the dict does not give it."""
+    original_len = rope_parameters.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+    factor = rope_parameters.get("factor") or hf_config.max_position_embeddings / original_len
+    return {**rope_parameters, "original_max_position_embeddings": original_len, "factor": factor}
+
+
+def _moe_config(architecture: str, hf_config) -> MoeConfig | None:
+    num_layers = hf_config.num_hidden_layers
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.intermediate_size,
+            renormalize=True,
+            sparse_layers=tuple(range(num_layers)),
+        )
+    if architecture not in _QWEN_MOE or not hf_config.num_experts:
+        return None
+    # As HF builds them: a layer has experts unless listed in mlp_only_layers, every decoder_sparse_step-th.
+    step, dense = hf_config.decoder_sparse_step, set(hf_config.mlp_only_layers or ())
+    return MoeConfig(
+        num_experts=hf_config.num_experts,
+        top_k=hf_config.num_experts_per_tok,
+        intermediate_size=hf_config.moe_intermediate_size,
+        renormalize=bool(hf_config.norm_topk_prob),
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
     )
 
 

@@ -1,4 +1,10 @@
-"""Rotary position embeddings: inverse frequencies for the rope types Llama, Mistral and Qwen use."""
+"""Rotary position embeddings: inverse frequencies for the rope types Llama, Mistral, Qwen and Phi-3 use.
+
+Phi-3's LongRoPE has two sets of frequencies: a sequence longer than the model's original context rotates all
+its tokens with the long set, the others with the short set. HF recomputes a sequence's whole cache when it
+grows past that length, and so does the engine (`LLMEngine`). The tables hold the short rows, then the long
+ones: the step's inputs point each token at its row (`RotaryEmbedding.long_rope`).
+"""
 
 import math
 from dataclasses import dataclass, field
@@ -35,7 +41,28 @@ def inverse_frequencies(config: RopeConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, params), 1.0
     if config.rope_type == "yarn":
         return _yarn(config, params)
-    raise UnsupportedRopeError(f"rope type {config.rope_type!r} is not supported (default, linear, llama3, yarn)")
+    if config.rope_type == "longrope":
+        return _longrope(exponents, config, long=False)
+    raise UnsupportedRopeError(
+        f"rope type {config.rope_type!r} is not supported (default, linear, llama3, yarn, longrope)"
+    )
+
+
+def _longrope(exponents: torch.Tensor, config: RopeConfig, long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency factors, short or long; attention scaled by the context's extension."""
+    params = config.parameters
+    factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    factor, original_len = params["factor"], params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_len))
+    return 1.0 / (factors * config.theta**exponents), float(attention_factor)
+
+
+def long_rope_frequencies(config: RopeConfig) -> tuple[torch.Tensor, float]:
+    """LongRoPE's long set (for sequences past the original context)."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    return _longrope(exponents, config, long=True)
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -93,9 +120,17 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
-        self.register_buffer("cos", torch.empty(max_positions, config.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, config.head_dim), persistent=False)
+        num_rows = 2 * max_positions if config.rope_type == "longrope" else max_positions
+        self.register_buffer("cos", torch.empty(num_rows, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(num_rows, config.head_dim), persistent=False)
         self.compute_tables()
+
+    @property
+    def long_rope(self) -> tuple[int, int] | None:
+        """LongRoPE: (the original context: longer sequences take the long rows, the long rows' offset)."""
+        if self.config.rope_type != "longrope":
+            return None
+        return self.config.parameters["original_max_position_embeddings"], self.max_positions
 
     def compute_tables(self) -> None:
         """Fill cos and sin, in fp32, on the tables' device; a model built on the meta device calls
@@ -103,12 +138,17 @@ class RotaryEmbedding(torch.nn.Module):
         device = self.cos.device
         if device.type == "meta":
             return
-        inv_freq, attention_factor = inverse_frequencies(self.config)
+        frequency_sets = [inverse_frequencies(self.config)]
+        if self.long_rope is not None:
+            frequency_sets.append(long_rope_frequencies(self.config))
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        angles = torch.outer(positions, inv_freq.to(device))
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos() * attention_factor
-        self.sin = angles.sin() * attention_factor
+        cos, sin = [], []
+        for inv_freq, attention_factor in frequency_sets:
+            angles = torch.outer(positions, inv_freq.to(device))
+            angles = torch.cat([angles, angles], dim=-1)
+            cos.append(angles.cos() * attention_factor)
+            sin.append(angles.sin() * attention_factor)
+        self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, backend: AttentionBackend):
         return backend.rotary_embedding(positions, query, key, self.cos, self.sin)
