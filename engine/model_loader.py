@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
-from engine.models.layers import PackedLinear, pack_linear_weights
+from engine.models.layers import PackedLinear, RMSNorm, pack_linear_weights
 from engine.models.moe import Experts, SparseMoeBlock
 from engine.models.rope import RotaryEmbedding
 
@@ -50,6 +50,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         elif isinstance(module, SparseMoeBlock):
             module.expert_tokens.zero_()
     _load_weights(model, _safetensors_files(model_dir))
+    if config.norm_weight_offset:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(config.norm_weight_offset)
     pack_linear_weights(model)
     return model.eval()
 

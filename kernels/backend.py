@@ -28,8 +28,12 @@ class AttentionBackend(Protocol):
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
 
     def paged_attention(
-        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Causal attention over each request's paged context; with `sliding_window` W a query at position i
+        sees keys at i - W + 1 ... i; with `logit_softcap` c the scaled scores s become c * tanh(s / c)."""
+        ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -81,8 +85,8 @@ class TorchAttentionBackend(TorchLayerOps):
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         torch_paged_attention.store_kv(key, value, cache, slot_mapping)
 
-    def paged_attention(self, query, cache, metadata, scale) -> torch.Tensor:
-        return torch_paged_attention.paged_attention(query, cache, metadata, scale)
+    def paged_attention(self, query, cache, metadata, scale, sliding_window=None, logit_softcap=None) -> torch.Tensor:
+        return torch_paged_attention.paged_attention(query, cache, metadata, scale, sliding_window, logit_softcap)
 
 
 def check_backend_name(name: str) -> None:

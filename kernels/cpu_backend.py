@@ -23,8 +23,12 @@ class CpuAttentionBackend:
         )
 
     def paged_attention(
-        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if sliding_window is not None or logit_softcap is not None:
+            # The C++ decode kernel has neither: Gemma's layers take the torch path.
+            return torch_paged_attention.paged_attention(query, cache, metadata, scale, sliding_window, logit_softcap)
         out = torch.empty_like(query)
         num_decodes = metadata.num_decodes
         if num_decodes:

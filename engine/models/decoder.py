@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and with experts Mixtral, Qwen2-MoE, Qwen3-MoE) over
-packed tokens and a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; with experts Mixtral, Qwen2-MoE, Qwen3-MoE;
+with Gemma's switches Gemma 2 and Gemma 3) over packed tokens and a paged KV cache.
 
 Module and parameter names mirror the HF checkpoints, so weights load by name. Tokens of all
 requests in a step are packed along one axis; attention reads and writes the paged cache
@@ -9,6 +9,7 @@ through an `AttentionMetadata` passed down explicitly.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import Linear, PackedLinear, RMSNorm
@@ -38,10 +39,23 @@ class DecoderConfig:
     # (checkpoint spelling, kvserve's) substitutions applied to weight names, e.g. Mixtral's
     # `block_sparse_moe.experts.0.w1` for `mlp.experts.0.gate_proj`.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Gemma 2 and 3
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh": GeGLU
+    norm_weight_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight): the loader adds the 1
+    embedding_scale: float = 1.0  # Gemma: the embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma: the attention output normed, and the MLP between two norms
+    attention_scale: float | None = None  # default head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
+    attention_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (None: the whole context); empty: no windows
+    local_rope: RopeConfig | None = None  # Gemma 3: the rope of the sliding-window layers
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
@@ -62,7 +76,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.rotary = rotary
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.softcap = config.attention_softcap
 
     def forward(self, hidden, positions, kv_cache: PagedKV, metadata, backend: AttentionBackend):
         num_tokens = hidden.shape[0]
@@ -74,31 +90,40 @@ class Attention(nn.Module):
             query, key = self.q_norm(query, backend), self.k_norm(key, backend)
         query, key = self.rotary(positions, query, key, backend)
         backend.store_kv(key, value, kv_cache, metadata.slot_mapping)
-        out = backend.paged_attention(query, kv_cache, metadata, self.scale)
+        out = backend.paged_attention(query, kv_cache, metadata, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str = "silu") -> None:
         super().__init__()
         size = intermediate_size
         self.gate_up_proj = PackedLinear(hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias)
         self.down_proj = Linear(size, hidden_size, bias=bias)
+        self.gelu = hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:  # GeGLU (Gemma): a torch op, no fused kernel
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(backend.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, config.sliding_window(index))
         if config.moe is not None and index in config.moe.sparse_layers:
             self.mlp = SparseMoeBlock(config.hidden_size, config.moe, MLP)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, residual, positions, kv_cache, metadata, backend):
         """(this layer's output, the residual stream before it); the next norm adds the two."""
@@ -107,8 +132,13 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, backend)
         hidden = self.self_attn(hidden, positions, kv_cache, metadata, backend)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, backend)
-        return self.mlp(hidden, backend), residual
+        if not self.sandwich_norms:
+            hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, backend)
+            return self.mlp(hidden, backend), residual
+        # Gemma: post_attention_layernorm norms the attention output before it joins the residual stream.
+        hidden = self.post_attention_layernorm(hidden, backend)
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual, backend)
+        return self.post_feedforward_layernorm(self.mlp(hidden, backend), backend), residual
 
 
 class DecoderModel(nn.Module):
@@ -116,9 +146,19 @@ class DecoderModel(nn.Module):
         super().__init__()
         # One rotary table shared by all layers (a buffer, not a checkpoint weight).
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        # Gemma 3's sliding-window layers rotate with a rope of their own.
+        if config.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(config.local_rope, config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, index) for index in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary_of_layer(config, index), index) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def rotary_of_layer(self, config: DecoderConfig, index: int) -> RotaryEmbedding:
+        if config.local_rope is not None and config.sliding_window(index) is not None:
+            return self.local_rotary
+        return self.rotary
 
 
 class DecoderForCausalLM(nn.Module):
@@ -144,9 +184,14 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of the packed tokens after the final norm."""
         hidden, residual = self.model.embed_tokens(input_ids), None
+        if self.config.embedding_scale != 1.0:
+            # As HF: the scale rounded to the model's dtype first.
+            hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, metadata, backend)
         return self.model.norm.add_and_norm(hidden, residual, backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

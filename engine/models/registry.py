@@ -12,11 +12,13 @@ class UnsupportedModelError(ValueError):
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 )  # fmt: skip
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Qwen2 and Qwen2-MoE have q/k/v biases (Qwen2-MoE's `qkv_bias`) and no o_proj bias; the others follow
 # `attention_bias` for all four.
 _QWEN2_ATTENTION = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Mixtral's checkpoints name the expert block and its projections differently.
 _MIXTRAL_RENAMES = (
@@ -33,11 +35,17 @@ def decoder_config_from_hf(hf_config) -> DecoderConfig:
         raise UnsupportedModelError(
             f"architectures {architectures} not supported; kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+    gemma = architecture in _GEMMA
+    hidden_act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    if hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     rope_parameters = dict(hf_config.rope_parameters or {})
+    local_rope_parameters = None
+    if "full_attention" in rope_parameters:  # Gemma 3: a rope per kind of layer
+        local_rope_parameters = rope_parameters.get("sliding_attention")
+        rope_parameters = dict(rope_parameters["full_attention"])
     if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     if rope_parameters.get("rope_type") == "longrope":
@@ -51,13 +59,8 @@ def decoder_config_from_hf(hf_config) -> DecoderConfig:
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
-        max_position_embeddings=_max_positions(hf_config),
-        rope=RopeConfig(
-            head_dim=head_dim,
-            theta=float(rope_parameters.get("rope_theta", 10000.0)),
-            rope_type=rope_parameters.get("rope_type", "default"),
-            parameters=rope_parameters,
-        ),
+        max_position_embeddings=hf_config.max_position_embeddings if gemma else _max_positions(hf_config),
+        rope=_rope_config(head_dim, rope_parameters),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=bool(getattr(hf_config, "qkv_bias", True)) if architecture in _QWEN2_ATTENTION else attention_bias,
         o_proj_bias=architecture not in _QWEN2_ATTENTION and attention_bias,
@@ -65,7 +68,38 @@ def decoder_config_from_hf(hf_config) -> DecoderConfig:
         qk_norm=architecture in _QK_NORM_ARCHITECTURES,
         moe=_moe_config(architecture, hf_config),
         checkpoint_renames=_MIXTRAL_RENAMES if architecture == "MixtralForCausalLM" else (),
+        hidden_act=hidden_act,
+        **(_gemma_switches(hf_config, head_dim, local_rope_parameters) if gemma else {}),
     )
+
+
+def _rope_config(head_dim: int, rope_parameters: dict) -> RopeConfig:
+    return RopeConfig(
+        head_dim=head_dim,
+        theta=float(rope_parameters.get("rope_theta", 10000.0)),
+        rope_type=rope_parameters.get("rope_type", "default"),
+        parameters=rope_parameters,
+    )
+
+
+def _gemma_switches(hf_config, head_dim: int, local_rope_parameters: dict | None) -> dict:
+    """Gemma 2 and 3: (1 + weight) norms, scaled embeddings, sandwich norms, the query scale, soft-capping, and
+    sliding windows (and, Gemma 3, a rope of their own) on the layers HF's `layer_types` marks."""
+    windows = tuple(
+        hf_config.sliding_window if layer_type == "sliding_attention" else None for layer_type in hf_config.layer_types
+    )
+    if any(kind not in ("sliding_attention", "full_attention") for kind in hf_config.layer_types):
+        raise UnsupportedModelError(f"layer types {sorted(set(hf_config.layer_types))} are not supported")
+    return {
+        "norm_weight_offset": 1.0,
+        "embedding_scale": hf_config.hidden_size**0.5,
+        "sandwich_norms": True,
+        "attention_scale": hf_config.query_pre_attn_scalar**-0.5,
+        "attention_softcap": getattr(hf_config, "attn_logit_softcapping", None),
+        "final_logit_softcap": getattr(hf_config, "final_logit_softcapping", None),
+        "sliding_windows": windows,
+        "local_rope": _rope_config(head_dim, dict(local_rope_parameters)) if local_rope_parameters else None,
+    }
 
 
 def _longrope_parameters(hf_config, rope_parameters: dict) -> dict:
