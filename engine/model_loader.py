@@ -109,7 +109,8 @@ def fused_destinations(model: DecoderForCausalLM) -> dict[str, tuple[torch.Tenso
 
 
 def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
-    destinations = {name: (tensor, [name]) for name, tensor in checkpoint_destinations(model).items()}
+    expected = checkpoint_destinations(model)
+    destinations = {name: (tensor, [name]) for name, tensor in expected.items()}
     destinations.update(fused_destinations(model))
     loaded: set[str] = set()
     with torch.no_grad():
@@ -131,7 +132,7 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
                         )
                     destination.copy_(tensor)
                     loaded.update(filled_names)
-    missing = sorted(set(checkpoint_destinations(model)) - loaded)
+    missing = sorted(set(expected) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
 
