@@ -31,7 +31,8 @@ def num_decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, targ
 @dataclass(frozen=True)
 class TritonAttentionBackend:
     """Decodes (the leading one-token requests) run the split-KV decode kernel, the rest the
-    extend kernel; both write rows of one output, so each row is written exactly once."""
+    extend kernel; both write rows of one output, so each row is written exactly once. A sliding
+    window and a soft-cap select compiled variants of both kernels (see `attention_options`)."""
 
     workspace: DecodeWorkspace
     target_programs: int
@@ -50,12 +51,15 @@ class TritonAttentionBackend:
         store_kv(key, value, cache, slot_mapping)
 
     def paged_attention(
-        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+        self, query: torch.Tensor, cache: PagedKV, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_decodes = metadata.num_decodes
         if num_decodes:
-            segments = num_decode_segments(num_decodes, cache.num_kv_heads, metadata.max_seq_len, self.target_programs)
+            # A decode reads at most `sliding_window` positions: its segments split that many.
+            max_visible = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
+            segments = num_decode_segments(num_decodes, cache.num_kv_heads, max_visible, self.target_programs)
             paged_decode_attention(
                 query[:num_decodes],
                 cache,
@@ -66,6 +70,8 @@ class TritonAttentionBackend:
                 self.workspace,
                 out[:num_decodes],
                 block_n=DECODE_BLOCK_N,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         paged_extend_attention(
             query,
@@ -78,6 +84,8 @@ class TritonAttentionBackend:
             num_seqs=metadata.num_seqs - num_decodes,
             max_query_len=metadata.max_query_len,
             out=out,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
         return out
 

@@ -1,4 +1,5 @@
-"""Choices shared by the Triton kernel wrappers: how `tl.dot` is fed, tile extents, int8 scale arguments."""
+"""Choices shared by the Triton kernel wrappers: how `tl.dot` is fed, tile extents, int8 scale arguments,
+sliding-window and soft-cap constexprs."""
 
 import os
 
@@ -29,3 +30,15 @@ def scale_args(cache: PagedKV) -> tuple:
     if cache.quantized:
         return cache.key_scale, cache.value_scale, cache.key_scale.stride(), cache.value_scale.stride()
     return cache.key, cache.value, (0, 0, 0), (0, 0, 0)
+
+
+def attention_options(sliding_window: int | None, logit_softcap: float | None) -> dict:
+    """The attention kernels' constexprs for Gemma's per-layer options: SLIDING_WINDOW W (0: none; a query at
+    position i sees keys at i - W + 1 ... i) and LOGIT_SOFTCAP c (0.0: none; scores s become c * tanh(s / c)).
+    Compile-time values: the variant without them compiles to the code of kernels that lack them, and a model
+    compiles one variant per (window, cap) pair its layers use."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
+    return {"SLIDING_WINDOW": sliding_window or 0, "LOGIT_SOFTCAP": float(logit_softcap or 0.0)}

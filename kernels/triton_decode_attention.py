@@ -7,6 +7,10 @@ key and value is read from memory once per group. The second merges a sequence's
 log-sum-exp. Splitting gives a small batch enough programs to keep the GPU busy; the partial buffers
 are allocated once (`DecodeWorkspace`), so launches need no allocation.
 
+With a sliding window W the query (position seq_len - 1) sees positions seq_len - W ... seq_len - 1:
+the segments split that range only, so no position before it is read and a segment's work scales with
+W, not with seq_len. Soft-capping applies to the scores tile by tile (`online_softmax_step`).
+
 Reference: the query-length-1 case of `kernels.torch_paged_attention.paged_attention`.
 """
 
@@ -17,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import PagedKV
-from kernels.triton_common import dot_in_fp32, dot_precision, padded, scale_args
+from kernels.triton_common import attention_options, dot_in_fp32, dot_precision, padded, scale_args
 from kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
 
 
@@ -65,6 +69,8 @@ def _decode_segment_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    LOGIT_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,9 +78,14 @@ def _decode_segment_kernel(
     num_segments = tl.num_programs(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Whole tiles per segment; trailing segments of a short sequence are empty.
-    segment_len = tl.cdiv(tl.cdiv(seq_len, num_segments), BLOCK_N) * BLOCK_N
-    start = segment * segment_len
+    # Whole tiles per segment; trailing segments of a short sequence (or a short window) are empty.
+    if SLIDING_WINDOW > 0:
+        first_visible = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        segment_len = tl.cdiv(tl.cdiv(seq_len - first_visible, num_segments), BLOCK_N) * BLOCK_N
+        start = first_visible + segment * segment_len
+    else:
+        segment_len = tl.cdiv(tl.cdiv(seq_len, num_segments), BLOCK_N) * BLOCK_N
+        start = segment * segment_len
     end = tl.minimum(start + segment_len, seq_len)
 
     group = tl.arange(0, GROUP_PAD)
@@ -103,9 +114,11 @@ def _decode_segment_kernel(
             stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head, BLOCK_SIZE, QUANTIZED,
         )  # fmt: skip
         visible = token_mask[None, :]
+        # Every loaded position is visible to the one query row, so its max is finite from the first tile on.
         row_max, row_sum, acc = online_softmax_step(
-            q, k, v, k_scale, v_scale, visible, scale, row_max, row_sum, acc, QUANTIZED, DOT_PRECISION
-        )
+            q, k, v, k_scale, v_scale, visible, scale, row_max, row_sum, acc, QUANTIZED, DOT_PRECISION,
+            LOGIT_SOFTCAP, False,
+        )  # fmt: skip
 
     # A non-empty segment's sum is >= 1 (its max term is exp(0)); an empty one's is 0, and the floor
     # turns it into zeros here and log-sum-exp -inf, a weight of 0 in the merge.
@@ -206,9 +219,12 @@ def paged_decode_attention(
     workspace: DecodeWorkspace,
     out: torch.Tensor,
     block_n: int = 64,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """out[i] = attention of query[i] ([num_seqs, num_heads, head_dim]) over keys/values of positions
-    [0, seq_lens[i]) of sequence i, read through block_tables[i]."""
+    [0, seq_lens[i]) of sequence i (the last `sliding_window` of them if given), read through block_tables[i];
+    scores soft-capped at `logit_softcap` if given."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return
@@ -220,6 +236,7 @@ def paged_decode_attention(
             f"({workspace.max_num_seqs} x {workspace.max_segments})"
         )
     head_dim_pad = padded(head_dim)
+    options = attention_options(sliding_window, logit_softcap)
     key_scale, value_scale, key_scale_strides, value_scale_strides = scale_args(cache)
     partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     _decode_segment_kernel[(num_seqs, num_kv_heads, num_segments)](
@@ -250,6 +267,7 @@ def paged_decode_attention(
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
         QUANTIZED=cache.quantized,
+        **options,
     )
     _merge_segments_kernel[(num_seqs, num_heads)](
         partial_out,

@@ -7,6 +7,10 @@ the cached prefix (prefix caching, earlier chunks of a chunked prefill) and the 
 new tokens, which the KV store has already written to the cache. One program computes a tile of
 query rows of one head with an online softmax over key tiles read through the block table.
 
+With a sliding window W a row at position i sees only keys at positions after i - W. A program's key loop
+starts at its first row's window start (the earliest position any of its rows sees), so no position before
+that is read; later rows mask the positions before their own window start.
+
 Reference: `kernels.torch_paged_attention.paged_attention`.
 """
 
@@ -15,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_kv import PagedKV
-from kernels.triton_common import dot_in_fp32, dot_precision, padded, scale_args
+from kernels.triton_common import attention_options, dot_in_fp32, dot_precision, padded, scale_args
 from kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
 
 
@@ -62,6 +66,8 @@ def _extend_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    LOGIT_SOFTCAP: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
@@ -91,12 +97,15 @@ def _extend_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # Every row sees position 0, so each row's running max is finite after the first key tile.
+    # Without a window every row sees position 0, so each row's running max is finite after the first key
+    # tile; with one, a later row may see nothing in the first tiles (online_softmax_step guards that).
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     kv_end = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)  # one past the tile's last position
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # With a window the tile's first row sees the earliest position: its window start.
+    kv_start = tl.maximum(context_len + tile * BLOCK_M - SLIDING_WINDOW + 1, 0) if SLIDING_WINDOW > 0 else 0
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
         k, v, k_scale, v_scale = load_kv_tiles(
@@ -106,9 +115,12 @@ def _extend_kernel(
             stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head, BLOCK_SIZE, QUANTIZED,
         )  # fmt: skip
         visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (tokens[None, :] > positions[:, None] - SLIDING_WINDOW)
         row_max, row_sum, acc = online_softmax_step(
-            q, k, v, k_scale, v_scale, visible, scale, row_max, row_sum, acc, QUANTIZED, DOT_PRECISION
-        )
+            q, k, v, k_scale, v_scale, visible, scale, row_max, row_sum, acc, QUANTIZED, DOT_PRECISION,
+            LOGIT_SOFTCAP, SLIDING_WINDOW > 0,
+        )  # fmt: skip
 
     out = acc / row_sum[:, None]
     tl.store(
@@ -131,11 +143,16 @@ def paged_extend_attention(
     out: torch.Tensor,
     block_m: int = 64,
     block_n: int = 64,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Causal attention of the packed query rows [num_tokens, num_heads, head_dim] of sequences
-    `first_seq .. first_seq + num_seqs - 1` over their paged contexts, written to the same rows of out."""
+    `first_seq .. first_seq + num_seqs - 1` over their paged contexts, written to the same rows of out;
+    a row at position i sees only keys after i - `sliding_window` if given; scores soft-capped at `logit_softcap`
+    if given."""
     if num_seqs == 0:
         return
+    options = attention_options(sliding_window, logit_softcap)
     num_heads, head_dim = query.shape[1:]
     group_size = num_heads // cache.num_kv_heads
     key_scale, value_scale, key_scale_strides, value_scale_strides = scale_args(cache)
@@ -167,4 +184,5 @@ def paged_extend_attention(
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
         QUANTIZED=cache.quantized,
+        **options,
     )

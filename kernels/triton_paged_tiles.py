@@ -1,5 +1,5 @@
 """Triton device functions shared by the paged attention kernels: read a tile of keys and values
-(and their int8 scales) through a block table, and fold one tile into an online softmax."""
+(and their int8 scales) through a block table, soft-cap scores, and fold one tile into an online softmax."""
 
 import triton
 import triton.language as tl
@@ -76,6 +76,16 @@ def load_kv_tiles(
 
 
 @triton.jit
+def soft_cap(scores, LOGIT_SOFTCAP: tl.constexpr):
+    """LOGIT_SOFTCAP * tanh(scores / LOGIT_SOFTCAP). Not every Triton has tanh, so it is computed as
+    tanh(x) = sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|): the exponent is never positive, so no score,
+    however large, overflows (e is then 0 and tanh +-1); its error is a few fp32 roundings of LOGIT_SOFTCAP."""
+    e = tl.exp(tl.abs(scores) * (-2.0 / LOGIT_SOFTCAP))
+    magnitude = (LOGIT_SOFTCAP * (1.0 - e)) / (1.0 + e)
+    return tl.where(scores < 0, -magnitude, magnitude)
+
+
+@triton.jit
 def online_softmax_step(
     q,
     k,
@@ -89,19 +99,27 @@ def online_softmax_step(
     acc,
     QUANTIZED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOGIT_SOFTCAP: tl.constexpr,
+    ROWS_MAY_SEE_NOTHING: tl.constexpr,
 ):
     """Add one tile of keys/values to the running (max, sum, weighted values) of each query row.
 
     K and V are multiplied in q's dtype (int8 converts exactly to 16-bit floats); an int8 cache's K
-    scales multiply the scores and its V scales the probabilities, so no tile is dequantized. Rows
-    with no visible key in this tile keep their state (their terms are exp(-inf) = 0)."""
+    scales multiply the scores and its V scales the probabilities, so no tile is dequantized. A
+    positive LOGIT_SOFTCAP soft-caps the scaled scores before the mask. Rows with no visible key in
+    this tile keep their state (their terms are exp(-inf) = 0) once they have a finite max; where a
+    row can meet a tile before its first visible key (sliding windows), ROWS_MAY_SEE_NOTHING makes
+    such a row subtract 0 instead of its max of -inf, which would give exp(-inf + inf) = NaN."""
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale
     if QUANTIZED:
         scores = scores * k_scale[None, :]
+    if LOGIT_SOFTCAP > 0:
+        scores = soft_cap(scores, LOGIT_SOFTCAP)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-    rescale = tl.exp(row_max - new_max)
-    probs = tl.exp(scores - new_max[:, None])
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max) if ROWS_MAY_SEE_NOTHING else new_max
+    rescale = tl.exp(row_max - shift)
+    probs = tl.exp(scores - shift[:, None])
     row_sum = row_sum * rescale + tl.sum(probs, axis=1)
     if QUANTIZED:
         probs = probs * v_scale[None, :]

@@ -25,6 +25,24 @@ from kernels.triton_layer_ops import SILU_BLOCK, _rms_norm_kernel, _rotary_kerne
 from kernels.triton_store_kv import _store_kv_kernel
 
 INT32_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")
+# The most shared memory one program may use on sm_90 (227 KiB): a kernel over it compiles but fails to launch.
+SM90_MAX_SHARED_BYTES = 232448
+# Qwen3-0.6B (GQA 2, head_dim 128) and GQA 4 with head_dim 64.
+MODEL_SHAPES = [(16, 8, 128), (16, 4, 64)]
+DTYPES = [("bf16", False), ("fp16", False), ("fp32", False), ("bf16", True)]
+# The attention kernels' per-layer options (kernels/triton_common.py `attention_options`): none (every model but
+# Gemma, and Gemma 3's global layers), Gemma 2's local (4096-token window) and global layers, both soft-capped at
+# 50, and Gemma 3's local layers (1024-token window); the int8 cache with both options. For Gemma's head_dim 256
+# (Gemma 2 2B, Gemma 3 4B: 8 heads, 4 KV heads).
+NO_OPTIONS = {"SLIDING_WINDOW": 0, "LOGIT_SOFTCAP": 0.0}
+GEMMA_SHAPE = (8, 4, 256)
+GEMMA_VARIANTS = [
+    ("bf16", False, NO_OPTIONS),
+    ("bf16", False, {"SLIDING_WINDOW": 4096, "LOGIT_SOFTCAP": 50.0}),
+    ("bf16", False, {"SLIDING_WINDOW": 0, "LOGIT_SOFTCAP": 50.0}),
+    ("bf16", False, {"SLIDING_WINDOW": 1024, "LOGIT_SOFTCAP": 0.0}),
+    ("bf16", True, {"SLIDING_WINDOW": 4096, "LOGIT_SOFTCAP": 50.0}),
+]
 
 
 def signature(kernel, data_type: str, int8_cache: bool, constexprs: dict) -> dict[str, str]:
@@ -51,29 +69,33 @@ def signature(kernel, data_type: str, int8_cache: bool, constexprs: dict) -> dic
     return types
 
 
+def attention_configs(
+    data_type: str, int8_cache: bool, num_heads: int, num_kv_heads: int, head_dim: int, options: dict,
+    block_size: int = 16,
+):  # fmt: skip
+    """The decode and extend kernels' constexprs as the wrappers pass them on CUDA (see kernels/triton_common.py
+    for the dot settings)."""
+    group = num_heads // num_kv_heads
+    common = {
+        "HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded(head_dim), "BLOCK_SIZE": block_size,
+        "DOT_FP32": data_type == "fp32", "DOT_PRECISION": "ieee" if data_type == "fp32" else "tf32",
+        "QUANTIZED": int8_cache, **options,
+    }  # fmt: skip
+    yield _decode_segment_kernel, {"GROUP_SIZE": group, "GROUP_PAD": padded(group), "BLOCK_N": 64, **common}
+    yield _extend_kernel, {"GROUP_SIZE": group, "BLOCK_M": 64, "BLOCK_N": 64, **common}
+
+
 def kernel_configs(
     data_type: str, int8_cache: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int = 16
 ):
-    """The constexprs the wrappers pass on CUDA (see kernels/triton_common.py for the dot settings)."""
-    group = num_heads // num_kv_heads
-    dot = {
-        "DOT_FP32": data_type == "fp32", "DOT_PRECISION": "ieee" if data_type == "fp32" else "tf32",
-        "QUANTIZED": int8_cache,
-    }  # fmt: skip
+    """Every kernel's constexprs as the wrappers pass them on CUDA, attention without per-layer options."""
     yield _store_kv_kernel, {
         "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim, "KV_HEADS_PAD": triton.next_power_of_2(num_kv_heads),
         "HEAD_DIM_PAD": padded(head_dim, minimum=1), "BLOCK_SIZE": block_size, "QUANTIZED": int8_cache,
         "INT8_LIMIT": INT8_MAX,
     }  # fmt: skip
-    yield _decode_segment_kernel, {
-        "GROUP_SIZE": group, "GROUP_PAD": padded(group), "HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded(head_dim),
-        "BLOCK_SIZE": block_size, "BLOCK_N": 64, **dot,
-    }  # fmt: skip
+    yield from attention_configs(data_type, int8_cache, num_heads, num_kv_heads, head_dim, NO_OPTIONS, block_size)
     yield _merge_segments_kernel, {"SEGMENTS_PAD": 16, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded(head_dim)}
-    yield _extend_kernel, {
-        "GROUP_SIZE": group, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": padded(head_dim), "BLOCK_SIZE": block_size,
-        "BLOCK_M": 64, "BLOCK_N": 64, **dot,
-    }  # fmt: skip
     hidden = num_heads * head_dim
     for size in (hidden, head_dim):  # the layer norms, and Qwen3's per-head q/k norm
         for add_residual in (False, True):
@@ -84,6 +106,20 @@ def kernel_configs(
     yield _rotary_kernel, {"HALF": head_dim // 2, "HALF_PAD": triton.next_power_of_2(head_dim // 2)}
 
 
+def compile_for(target: GPUTarget, kernel, data_type: str, int8_cache: bool, constexprs: dict) -> int:
+    """Compiles one kernel variant to a cubin; returns the shared memory one program uses."""
+    source = ASTSource(
+        fn=kernel,
+        signature=signature(kernel, data_type, int8_cache, constexprs),
+        constexprs={(kernel.arg_names.index(name),): value for name, value in constexprs.items()},
+    )
+    compiled = triton.compile(source, target=target)
+    assert compiled.asm["cubin"], kernel.__name__
+    if target.arch == 90:
+        assert compiled.metadata.shared <= SM90_MAX_SHARED_BYTES, (kernel.__name__, constexprs)
+    return compiled.metadata.shared
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
@@ -91,21 +127,26 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     target = GPUTarget("cuda", args.arch, 32)
-    # Qwen3-0.6B (GQA 2, head_dim 128) and GQA 4 with head_dim 64.
-    for shape in [(16, 8, 128), (16, 4, 64)]:
-        for data_type, int8_cache in [("bf16", False), ("fp16", False), ("fp32", False), ("bf16", True)]:
-            for kernel, constexprs in kernel_configs(data_type, int8_cache, *shape):
-                start_s = time.perf_counter()
-                source = ASTSource(
-                    fn=kernel,
-                    signature=signature(kernel, data_type, int8_cache, constexprs),
-                    constexprs={(kernel.arg_names.index(name),): value for name, value in constexprs.items()},
-                )
-                compiled = triton.compile(source, target=target)
-                assert compiled.asm["cubin"], kernel.__name__
-                elapsed_s = time.perf_counter() - start_s
-                cache = "int8" if int8_cache else data_type
-                print(f"sm_{args.arch} {data_type}, {cache} cache, heads {shape}: {kernel.__name__} {elapsed_s:.1f} s")
+    variants = [
+        (shape, data_type, int8_cache, "", config)
+        for shape in MODEL_SHAPES
+        for data_type, int8_cache in DTYPES
+        for config in kernel_configs(data_type, int8_cache, *shape)
+    ]
+    variants += [
+        (GEMMA_SHAPE, data_type, int8_cache, f", window {opts['SLIDING_WINDOW']}, cap {opts['LOGIT_SOFTCAP']}", config)
+        for data_type, int8_cache, opts in GEMMA_VARIANTS
+        for config in attention_configs(data_type, int8_cache, *GEMMA_SHAPE, opts)
+    ]
+    for shape, data_type, int8_cache, label, (kernel, constexprs) in variants:
+        start_s = time.perf_counter()
+        shared_bytes = compile_for(target, kernel, data_type, int8_cache, constexprs)
+        elapsed_s = time.perf_counter() - start_s
+        cache = "int8" if int8_cache else data_type
+        print(
+            f"sm_{args.arch} {data_type}, {cache} cache, heads {shape}{label}: {kernel.__name__} "
+            f"{elapsed_s:.1f} s, {shared_bytes} B shared"
+        )
     print(f"all kernels compile with triton {triton.__version__}")
 
 
