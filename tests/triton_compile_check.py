@@ -22,9 +22,10 @@ from kernels.triton_common import padded
 from kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
 from kernels.triton_extend_attention import _extend_kernel
 from kernels.triton_layer_ops import SILU_BLOCK, _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
+from kernels.triton_moe import BLOCK_K, BLOCK_N, COMBINE_BLOCK, MAX_BLOCK_M, _combine_kernel, _expert_matmul_kernel
 from kernels.triton_store_kv import _store_kv_kernel
 
-INT32_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")
+INT32_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "sorted_rows_ptr", "block_experts_ptr")
 # The most shared memory one program may use on sm_90 (227 KiB): a kernel over it compiles but fails to launch.
 SM90_MAX_SHARED_BYTES = 232448
 # Qwen3-0.6B (GQA 2, head_dim 128) and GQA 4 with head_dim 64.
@@ -56,7 +57,7 @@ def signature(kernel, data_type: str, int8_cache: bool, constexprs: dict) -> dic
             types[name] = "*fp32"
         elif name in INT32_POINTERS:
             types[name] = "*i32"
-        elif name.startswith("partial_") or name.endswith("_scale_ptr"):
+        elif name.startswith("partial_") or name.endswith("_scale_ptr") or name == "topk_weights_ptr":
             types[name] = "*fp32"
         elif name in ("key_cache_ptr", "value_cache_ptr"):
             types[name] = "*i8" if int8_cache else f"*{data_type}"
@@ -106,6 +107,19 @@ def kernel_configs(
     yield _rotary_kernel, {"HALF": head_dim // 2, "HALF_PAD": triton.next_power_of_2(head_dim // 2)}
 
 
+def moe_configs(data_type: str, top_k: int = 2):
+    """The fused-MoE kernels' constexprs: gate/up (gated, one input row per top-k slot) and down, at the smallest
+    and largest rows per block, then the weighted sum over top-k."""
+    dots = {"DOT_FP32": data_type == "fp32", "DOT_PRECISION": "ieee" if data_type == "fp32" else "tf32"}
+    for block_m in (16, MAX_BLOCK_M):
+        for gated, inputs_per_row in ((True, top_k), (False, 1)):
+            yield _expert_matmul_kernel, {
+                "INPUTS_PER_ROW": inputs_per_row, "GATED": gated, "BLOCK_M": block_m, "BLOCK_N": BLOCK_N,
+                "BLOCK_K": BLOCK_K, **dots,
+            }  # fmt: skip
+    yield _combine_kernel, {"TOP_K": top_k, "BLOCK": COMBINE_BLOCK}
+
+
 def compile_for(target: GPUTarget, kernel, data_type: str, int8_cache: bool, constexprs: dict) -> int:
     """Compiles one kernel variant to a cubin; returns the shared memory one program uses."""
     source = ASTSource(
@@ -137,6 +151,11 @@ def main() -> None:
         (GEMMA_SHAPE, data_type, int8_cache, f", window {opts['SLIDING_WINDOW']}, cap {opts['LOGIT_SOFTCAP']}", config)
         for data_type, int8_cache, opts in GEMMA_VARIANTS
         for config in attention_configs(data_type, int8_cache, *GEMMA_SHAPE, opts)
+    ]
+    variants += [
+        ((), data_type, False, ", fused MoE", config)
+        for data_type, _ in DTYPES[:3]
+        for config in moe_configs(data_type)
     ]
     for shape, data_type, int8_cache, label, (kernel, constexprs) in variants:
         start_s = time.perf_counter()
