@@ -1,6 +1,7 @@
 """Mixture-of-experts expert computation in torch: each token through its top-k experts' SwiGLU MLPs,
-weighted by its routing weights and summed. `fused_moe` is the path the CPU backends run and the one
-the Triton kernel is tested against; `moe_reference` is the plain per-expert loop the tests check it by.
+weighted by its routing weights and summed. `fused_moe` is the torch backend's path and the one the
+Triton kernel is tested against; the CPU backend runs the same `combine_experts` on the experts' weights
+packed for oneDNN (`OneDnnExperts`); `moe_reference` is the plain per-expert loop the tests check them by.
 
 Weights are stacked per expert: `gate_up_weight` [num_experts, 2 * intermediate, hidden] (gate rows
 first, then up, as in `PackedLinear`), `down_weight` [num_experts, hidden, intermediate].
@@ -12,8 +13,18 @@ each expert's rounded output into a model-dtype buffer: the same numbers in fp32
 16-bit.)
 """
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# The rows per expert oneDNN chooses the blocked layout for; any count runs on it. At decode batch sizes each
+# expert gets a few to a few tens of rows.
+PACKING_BATCH_HINT = 16
+ExpertMlp = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its input rows) -> its output rows
 
 
 def fused_moe(
@@ -23,15 +34,31 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [num_tokens, hidden_size].
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [num_tokens, hidden_size]."""
 
-    The (token, k) assignments are sorted by expert once, so each expert runs two GEMMs over its own
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, gate_up_weight[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down_weight[expert])
+
+    return combine_experts(hidden, topk_weights, topk_ids, gate_up_weight.shape[0], expert_mlp)
+
+
+def combine_experts(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert_mlp: ExpertMlp,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_mlp(topk_ids[t, k], hidden[t]), summed in fp32 and rounded once.
+
+    The (token, k) assignments are sorted by expert once, so each expert runs its GEMMs over its own
     contiguous run of rows, and an expert no token picked is never touched."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     rows_by_expert = flat_ids.argsort(stable=True)  # assignment rows t * top_k + k, grouped by expert
-    rows_per_expert = torch.bincount(flat_ids, minlength=gate_up_weight.shape[0]).tolist()
+    rows_per_expert = torch.bincount(flat_ids, minlength=num_experts).tolist()
     inputs = hidden[rows_by_expert // top_k]
     outputs = torch.empty_like(inputs)
     start = 0
@@ -39,8 +66,7 @@ def fused_moe(
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(inputs[start:end], gate_up_weight[expert]).chunk(2, dim=-1)
-        outputs[start:end] = F.linear(F.silu(gate) * up, down_weight[expert])
+        outputs[start:end] = expert_mlp(expert, inputs[start:end])
         start = end
     per_assignment = torch.empty_like(outputs).index_copy_(0, rows_by_expert, outputs)
     weighted = per_assignment.view(num_tokens, top_k, hidden_size).float() * topk_weights.float().unsqueeze(-1)
@@ -64,3 +90,43 @@ def moe_reference(
         expert_out = F.linear(F.silu(gate) * up, down_weight[expert])
         out.index_add_(0, tokens, expert_out.float() * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
+
+
+class OneDnnExperts:
+    """Each expert's two projections reordered once into oneDNN's blocked layout, as the dense layers' weights are
+    on a CPU (engine/models/layers.py: float32 `F.linear` is MKL's sgemm, which takes its slow AVX2 path on the
+    AMD machines here). Packed from the stacked weights and valid while those are alive and unchanged
+    (`packs`); the copies take as much memory as the weights."""
+
+    def __init__(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
+        self._sources = (weakref.ref(gate_up_weight), weakref.ref(down_weight))
+        self._versions = (_version(gate_up_weight), _version(down_weight))
+        self.gate_up = [_reorder(weight) for weight in gate_up_weight.detach()]
+        self.down = [_reorder(weight) for weight in down_weight.detach()]
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES
+
+    def packs(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
+        """Whether these are the tensors this was packed from, not written to since."""
+        sources = tuple(source() for source in self._sources)
+        same = sources[0] is gate_up_weight and sources[1] is down_weight
+        return same and self._versions == (_version(gate_up_weight), _version(down_weight))
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = _linear_packed(rows, self.gate_up[expert]).chunk(2, dim=-1)
+        return _linear_packed(F.silu(gate) * up, self.down[expert])
+
+
+def _linear_packed(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The in-place write counter; inference-mode tensors keep none (and cannot be written outside it)."""
+    return None if tensor.is_inference() else tensor._version
