@@ -9,9 +9,14 @@ A failed model step fails the requests in flight and makes the engine unhealthy 
 succeeds (or, with no traffic to prove it, for `unhealthy_after_failure_s`); after
 `max_consecutive_step_failures` failed steps in a row the loop stops for good (`failed`), and
 every request in flight or queued gets an error, so no client waits on a dead engine.
+
+The console's `EngineState` is taken on the engine thread too, between steps, only when someone asks
+for it (a `_TakeState` command) and at most once per STATE_MAX_AGE_S; a step costs nothing extra
+while nobody looks, beyond feeding the live figures' window the stats it reports anyway.
 """
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -19,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from engine.engine_state import EngineState, StatsWindow, take_engine_state
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling_params import GrammarSpec, SamplingParams
@@ -40,6 +46,8 @@ class EngineStepError(RuntimeError):
 
 
 EXPERT_TOKENS_INTERVAL_S = 1.0  # how often the expert-load counts are read off the device
+STATE_MAX_AGE_S = 1.0  # a console poll gets the last snapshot if it is this recent, else asks for a new one
+STATE_WAIT_S = 2.0  # how long a poll waits for the engine thread (busy in a long step) before taking the last one
 
 # What clients are told: the exception itself (which may name files and lines) goes to the log only.
 STEP_FAILED_MESSAGE = "the model step failed while this request was in flight; the server log has the details"
@@ -99,6 +107,17 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _TakeState:
+    asked_at_s: float  # a snapshot taken since then answers it too (several pollers, one snapshot)
+    future: asyncio.Future
+
+
+def _resolve(future: asyncio.Future, state: EngineState) -> None:
+    if not future.done():  # the poller may have stopped waiting
+        future.set_result(state)
+
+
 class AsyncLLMEngine:
     """Thread-backed front of `LLMEngine` for asyncio servers."""
 
@@ -127,7 +146,9 @@ class AsyncLLMEngine:
         self.failed = False  # set when the loop stopped after too many failed steps in a row
         self._on_stats = on_stats
         self._stats = StatsTracker()
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._stats_window = StatsWindow()  # engine thread only
+        self._state: EngineState  # the latest snapshot; replaced (never changed) by the engine thread
+        self._commands: queue.SimpleQueue[_Add | _Abort | _TakeState | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine thread only
         self._lock = threading.Lock()
         self._num_in_flight = 0  # submitted and not yet finished, aborted or failed
@@ -201,10 +222,24 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def engine_state(self) -> EngineState:
+        """The latest snapshot of the KV cache and the queues; a new one, taken between steps, if the last is older
+        than STATE_MAX_AGE_S and the engine thread gets to it within STATE_WAIT_S (its `taken_at` tells)."""
+        state = self._state
+        if time.monotonic() - state.taken_at_monotonic_s <= STATE_MAX_AGE_S or not self._thread.is_alive():
+            return state
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_TakeState(time.monotonic(), future))
+        try:
+            return await asyncio.wait_for(future, STATE_WAIT_S)
+        except TimeoutError:
+            return self._state
+
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
             self.engine = make_engine()
             self._report_stats()  # the KV cache's size and empty queues, before any request
+            self._state = self._take_state()
         except BaseException as error:  # re-raised by the constructor on the caller's thread
             self._startup_error = error
             return
@@ -251,7 +286,13 @@ class AsyncLLMEngine:
         if deliveries:
             deliveries[0][0].loop.call_soon_threadsafe(_deliver, deliveries)
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _TakeState) -> None:
+        if isinstance(command, _TakeState):
+            if self._state.taken_at_monotonic_s < command.asked_at_s:
+                self._state = self._take_state()
+            with contextlib.suppress(RuntimeError):  # the poller's event loop closed (the server stopped)
+                command.future.get_loop().call_soon_threadsafe(_resolve, command.future, self._state)
+            return
         if isinstance(command, _Abort):
             delta = self.engine.abort(command.request_id)
             self._stats.finished(command.request_id, "abort")
@@ -319,5 +360,10 @@ class AsyncLLMEngine:
         if due:
             expert_tokens, self._expert_tokens_read_s = self.engine.take_expert_tokens(), now_s
         stats = self._stats.collect(self.engine.scheduler, expert_tokens)  # collected even unread: nothing piles up
+        self._stats_window.record(stats, now_s)
         if self._on_stats is not None:
             self._on_stats(stats)
+
+    def _take_state(self) -> EngineState:
+        """Engine thread only, between steps: the one place the console reads the scheduler and the allocator."""
+        return take_engine_state(self.engine.scheduler, self._stats_window, time.monotonic(), time.time())

@@ -59,6 +59,14 @@ class BlockAllocator:
     def num_cached_blocks(self) -> int:
         return len(self._key_by_block)
 
+    def ref_counts(self) -> list[int]:
+        """Every block's holder count (a copy), for a whole-pool view such as the console's map."""
+        return list(self._ref_counts)
+
+    def evictable_block_ids(self) -> list[int]:
+        """Blocks nobody holds that still hold cached contents, least recently freed first."""
+        return list(self._evictable)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

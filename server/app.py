@@ -1,6 +1,7 @@
 """The FastAPI application: routes, auth, request limits, draining, and the error handlers."""
 
 import hmac
+import time
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Depends, FastAPI, Request
@@ -22,6 +23,7 @@ from server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EngineStateResponse,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -124,6 +126,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=authorized, responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
+
+    @app.get(
+        "/v1/engine/state", dependencies=authorized, response_model=EngineStateResponse,
+        responses=error_responses(401),
+        summary="The console's snapshot: the KV cache block by block, the requests' blocks, the last minute's figures",
+    )  # fmt: skip
+    async def engine_state():
+        state = await ctx.engine.engine_state()
+        return EngineStateResponse.of(state, age_s=time.monotonic() - state.taken_at_monotonic_s)
 
     @app.post("/tokenize", dependencies=authorized, response_model=TokenizeResponse,
               responses=error_responses(400, 401, 404))  # fmt: skip

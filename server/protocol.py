@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.engine_state import EngineState
+from kvcache.block_map import STATE_NAMES, BlockState, encode_states
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -347,3 +350,114 @@ class HealthResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class KVBlockCounts(BaseModel):
+    """Blocks by state; `used` (held + shared) and `available` (free + evictable) are the allocator's own counts."""
+
+    total: int
+    free: int
+    held: int
+    shared: int
+    evictable: int
+    used: int
+    available: int
+
+
+class KVCacheState(BaseModel):
+    """The KV cache block by block. `states` holds one byte per block, indexed by block id, whose value indexes
+    `state_names`; sent as base64 of the bytes, or as [state, run length] pairs, whichever is shorter."""
+
+    block_size: int
+    state_names: list[str]
+    encoding: Literal["base64", "rle"]
+    states: str | list[tuple[int, int]]
+    shared: list[tuple[int, int]] = Field(description="[block id, ref count] of every shared block")
+    blocks: KVBlockCounts
+    num_live_tokens: int = Field(description="computed tokens of the running requests")
+    num_unfilled_slots: int = Field(description="slots of held blocks that no token fills (tails of last blocks)")
+    slot_utilization: float = Field(description="live tokens / slots of used blocks; above 1 when blocks are shared")
+    fragmentation: float = Field(description="unfilled slots / slots of used blocks")
+    prefix_cache_hit_rate: float | None = Field(description="hit / queried prompt tokens since start; null: none")
+
+
+class RunningRequestInfo(BaseModel):
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    block_ranges: list[tuple[int, int]] = Field(description="its block table as runs of block ids, [start, end)")
+    num_preemptions: int
+    num_unfilled_slots: int
+
+
+class RequestQueueState(BaseModel):
+    running: list[RunningRequestInfo]
+    num_waiting: int
+    num_preempted_waiting: int
+
+
+class LatencyPercentiles(BaseModel):
+    count: int
+    p50: float
+    p90: float
+    p99: float
+
+
+class LiveEngineFigures(BaseModel):
+    """The engine's per-step stats over the last `window_s` seconds; each list has one sample a second, oldest
+    first (queue sizes and KV usage as at the end of that second, token and preemption counts within it)."""
+
+    window_s: int
+    output_tokens_per_s: float
+    time_to_first_token_s: LatencyPercentiles | None
+    inter_token_latency_s: LatencyPercentiles | None
+    prefix_cache_hit_rate: float | None
+    num_running: list[int]
+    num_waiting: list[int]
+    num_preempted_waiting: list[int]
+    kv_usage: list[float]
+    num_output_tokens: list[int]
+    num_preemptions: list[int]
+
+
+class EngineStateResponse(BaseModel):
+    """GET /v1/engine/state: the console's snapshot, taken on the engine thread between two steps."""
+
+    object: Literal["engine.state"] = "engine.state"
+    taken_at: float = Field(description="when the snapshot was taken, Unix time")
+    age_s: float = Field(description="how old the snapshot was when sent")
+    kv_cache: KVCacheState
+    requests: RequestQueueState
+    live: LiveEngineFigures
+
+    @classmethod
+    def of(cls, state: EngineState, age_s: float) -> "EngineStateResponse":
+        block_map, usage = state.block_map, state.kv_usage
+        encoding, states = encode_states(block_map.states)
+        blocks = KVBlockCounts(
+            total=block_map.num_blocks,
+            **{name: block_map.count(block_state) for name, block_state in zip(STATE_NAMES, BlockState, strict=True)},
+            used=block_map.num_used_blocks,
+            available=block_map.count(BlockState.FREE) + block_map.count(BlockState.EVICTABLE),
+        )
+        kv_cache = KVCacheState(
+            block_size=state.block_size,
+            state_names=list(STATE_NAMES),
+            encoding=encoding,
+            states=states,
+            shared=list(block_map.shared),
+            blocks=blocks,
+            num_live_tokens=usage.num_live_tokens,
+            num_unfilled_slots=state.num_unfilled_slots,
+            slot_utilization=usage.slot_utilization,
+            fragmentation=state.fragmentation,
+            prefix_cache_hit_rate=state.prefix_cache_hit_rate,
+        )
+        requests = RequestQueueState(
+            running=[RunningRequestInfo.model_validate(request, from_attributes=True) for request in state.running],
+            num_waiting=state.num_waiting,
+            num_preempted_waiting=state.num_preempted_waiting,
+        )
+        live = LiveEngineFigures.model_validate(state.live, from_attributes=True)
+        return cls(taken_at=state.taken_at, age_s=age_s, kv_cache=kv_cache, requests=requests, live=live)

@@ -41,7 +41,7 @@ CHECKS = [
 CASES_RUN: Counter = Counter()
 OPERATIONS = [
     "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "GET /v1/models/{model_id}",
-    "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+    "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize", "GET /v1/engine/state",
 ]  # fmt: skip
 STREAMING = ["POST /v1/completions", "POST /v1/chat/completions"]
 # Requests that break the schema exist only where there is a body to break; streamed runs hold every SSE event

@@ -29,8 +29,11 @@ CHAT_REQUEST = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"
 
 # API keys
 
-V1_ROUTES = [("GET", "/v1/models", None), ("POST", COMPLETIONS, COMPLETION), ("POST", CHAT, CHAT_REQUEST)]
-V1_IDS = ["models", "completions", "chat"]
+V1_ROUTES = [
+    ("GET", "/v1/models", None), ("GET", "/v1/models/tiny-llama", None), ("GET", "/v1/engine/state", None),
+    ("POST", COMPLETIONS, COMPLETION), ("POST", CHAT, CHAT_REQUEST),
+]  # fmt: skip
+V1_IDS = ["models", "model", "engine state", "completions", "chat"]
 BAD_AUTHORIZATIONS = {
     "no header": None,
     "a wrong key": "Bearer wrong",
