@@ -55,7 +55,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
             for module in model.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.add_(config.norm_weight_offset)
-    pack_linear_weights(model)
+    if pack_linear_weights(model):
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.pack_weights()
     return model.eval()
 
 

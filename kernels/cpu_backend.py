@@ -1,8 +1,7 @@
 """The CPU backend: the C++ kernels (KV store, decode attention, fused layer ops), torch SDPA for prompt chunks,
-the torch path on oneDNN-packed expert weights for mixture-of-experts MLPs."""
+the torch path for mixture-of-experts MLPs."""
 
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,10 +16,6 @@ class CpuAttentionBackend:
     are few per step and long, and the torch path hands each to SDPA's flash kernel."""
 
     name: str = "cpu"
-    # The experts' weights packed for oneDNN at their first use, by id of the stacked gate/up tensor.
-    _packed_experts: dict[int, torch_moe.OneDnnExperts] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None:
         torch.ops.kvserve_cpu.store_kv(
@@ -64,19 +59,5 @@ class CpuAttentionBackend:
         return query, key
 
     def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
-        # The per-expert GEMMs are where the time goes, and on packed weights they take a third to a half of
-        # F.linear's time at the experts' row counts (benchmarks/moe.py measures the whole model).
-        if not torch_moe.OneDnnExperts.supports(gate_up_weight):
-            return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)
-        experts = self._experts(gate_up_weight, down_weight)
-        return torch_moe.combine_experts(hidden, topk_weights, topk_ids, len(experts.gate_up), experts.expert_mlp)
-
-    def _experts(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch_moe.OneDnnExperts:
-        key = id(gate_up_weight)
-        experts = self._packed_experts.get(key)
-        if experts is None or not experts.packs(gate_up_weight, down_weight):
-            experts = torch_moe.OneDnnExperts(gate_up_weight, down_weight)
-            self._packed_experts[key] = experts
-            # Dropped with the weights, so neither the copies nor a reused id outlive them.
-            weakref.finalize(gate_up_weight, self._packed_experts.pop, key, None)
-        return experts
+        # Models whose weights could be packed for oneDNN run their experts there instead (`OneDnnExperts`).
+        return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

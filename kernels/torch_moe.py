@@ -1,7 +1,7 @@
 """Mixture-of-experts expert computation in torch: each token through its top-k experts' SwiGLU MLPs,
-weighted by its routing weights and summed. `fused_moe` is the torch backend's path and the one the
-Triton kernel is tested against; the CPU backend runs the same `combine_experts` on the experts' weights
-packed for oneDNN (`OneDnnExperts`); `moe_reference` is the plain per-expert loop the tests check them by.
+weighted by its routing weights and summed. `fused_moe` is the backends' torch path and the one the Triton
+kernel is tested against; on a CPU the model runs the same `combine_experts` on the experts' weights packed
+for oneDNN at load time (`OneDnnExperts`); `moe_reference` is the plain per-expert loop the tests check them by.
 
 Weights are stacked per expert: `gate_up_weight` [num_experts, 2 * intermediate, hidden] (gate rows
 first, then up, as in `PackedLinear`), `down_weight` [num_experts, hidden, intermediate].
@@ -13,7 +13,6 @@ each expert's rounded output into a model-dtype buffer: the same numbers in fp32
 16-bit.)
 """
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -21,9 +20,9 @@ import torch.nn.functional as F
 
 ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# The rows per expert oneDNN chooses the blocked layout for; any count runs on it. At decode batch sizes each
-# expert gets a few to a few tens of rows.
-PACKING_BATCH_HINT = 16
+# The rows per expert oneDNN chooses the blocked layout for; any count runs on it (as for the dense layers, 4 to
+# 256 made no difference here at 8 to 1024 tokens).
+PACKING_BATCH_HINT = 64
 ExpertMlp = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its input rows) -> its output rows
 
 
@@ -93,14 +92,12 @@ def moe_reference(
 
 
 class OneDnnExperts:
-    """Each expert's two projections reordered once into oneDNN's blocked layout, as the dense layers' weights are
-    on a CPU (engine/models/layers.py: float32 `F.linear` is MKL's sgemm, which takes its slow AVX2 path on the
-    AMD machines here). Packed from the stacked weights and valid while those are alive and unchanged
-    (`packs`); the copies take as much memory as the weights."""
+    """Each expert's two projections reordered once, at load time, into oneDNN's blocked layout, as the dense
+    layers' weights are on a CPU (engine/models/layers.py: float32 `F.linear` is MKL's sgemm, which takes its slow
+    AVX2 path on the AMD machines here; on packed weights the experts' GEMMs take a third to a half of its time,
+    benchmarks/moe.py). The copies take as much memory as the weights."""
 
     def __init__(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
-        self._sources = (weakref.ref(gate_up_weight), weakref.ref(down_weight))
-        self._versions = (_version(gate_up_weight), _version(down_weight))
         self.gate_up = [_reorder(weight) for weight in gate_up_weight.detach()]
         self.down = [_reorder(weight) for weight in down_weight.detach()]
 
@@ -108,13 +105,11 @@ class OneDnnExperts:
     def supports(weight: torch.Tensor) -> bool:
         return ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES
 
-    def packs(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
-        """Whether these are the tensors this was packed from, not written to since."""
-        sources = tuple(source() for source in self._sources)
-        same = sources[0] is gate_up_weight and sources[1] is down_weight
-        return same and self._versions == (_version(gate_up_weight), _version(down_weight))
+    def fused_moe(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """`fused_moe` on the packed weights."""
+        return combine_experts(hidden, topk_weights, topk_ids, len(self.gate_up), self._expert_mlp)
 
-    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+    def _expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = _linear_packed(rows, self.gate_up[expert]).chunk(2, dim=-1)
         return _linear_packed(F.silu(gate) * up, self.down[expert])
 
@@ -125,8 +120,3 @@ def _linear_packed(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The in-place write counter; inference-mode tensors keep none (and cannot be written outside it)."""
-    return None if tensor.is_inference() else tensor._version

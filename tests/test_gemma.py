@@ -12,7 +12,12 @@ from transformers import Gemma2Config, Gemma3TextConfig
 from engine import LLM, SamplingParams
 from engine.tiny_checkpoint import write_random_checkpoint
 from tests.server_harness import running_server
-from tests.test_parity import SCHEDULING_PATHS, assert_matches_hf, build_hf_reference
+from tests.test_parity import (
+    SCHEDULING_PATHS,
+    assert_matches_hf,
+    assert_prefix_cached_run_matches_hf,
+    build_hf_reference,
+)
 
 WINDOW = 12
 _COMMON = {
@@ -53,10 +58,7 @@ def test_greedy_tokens_and_logprobs_match_hf(gemma, gemma_reference, path):
 
 
 def test_prefix_cached_prompts_match_hf(gemma, gemma_reference):
-    llm = LLM(str(gemma), enable_prefix_caching=True)
-    assert_matches_hf(llm, gemma_reference, "one_batch")
-    assert_matches_hf(llm, gemma_reference, "one_batch")
-    assert llm.engine.scheduler.prefix_cache_hit_tokens > 0
+    assert_prefix_cached_run_matches_hf(gemma, gemma_reference)
 
 
 def test_the_triton_backend_matches_hf(gemma, gemma_reference):

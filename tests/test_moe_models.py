@@ -11,7 +11,12 @@ from engine import LLM
 from engine.models.moe import SparseMoeBlock
 from engine.tiny_checkpoint import write_random_checkpoint
 from tests.server_harness import running_server
-from tests.test_parity import SCHEDULING_PATHS, assert_matches_hf, build_hf_reference
+from tests.test_parity import (
+    SCHEDULING_PATHS,
+    assert_matches_hf,
+    assert_prefix_cached_run_matches_hf,
+    build_hf_reference,
+)
 
 _ATTENTION = {
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
@@ -58,10 +63,7 @@ def test_greedy_tokens_and_logprobs_match_hf(moe_model, moe_reference, path):
 
 
 def test_prefix_cached_prompts_match_hf(moe_model, moe_reference):
-    llm = LLM(str(moe_model), enable_prefix_caching=True)
-    assert_matches_hf(llm, moe_reference, "one_batch")
-    assert_matches_hf(llm, moe_reference, "one_batch")  # the prompts' full blocks now come from the cache
-    assert llm.engine.scheduler.prefix_cache_hit_tokens > 0
+    assert_prefix_cached_run_matches_hf(moe_model, moe_reference)
 
 
 def test_layers_have_experts_where_hf_puts_them(moe_model):

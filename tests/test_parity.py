@@ -107,3 +107,11 @@ def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
     if "preempting" in path:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_usage().num_used_blocks == 0
+
+
+def assert_prefix_cached_run_matches_hf(model_dir: Path, hf_reference) -> None:
+    """The parity prompts twice on one engine: the second run's full blocks come from the prefix cache."""
+    llm = LLM(str(model_dir), enable_prefix_caching=True)
+    assert_matches_hf(llm, hf_reference, "one_batch")
+    assert_matches_hf(llm, hf_reference, "one_batch")
+    assert llm.engine.scheduler.prefix_cache_hit_tokens > 0

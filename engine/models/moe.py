@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.models.layers import Linear
 from kernels import AttentionBackend
+from kernels.torch_moe import OneDnnExperts
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,14 @@ class Experts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.packed: OneDnnExperts | None = None  # on a CPU: the weights in oneDNN's layout, packed at load
+
+    def pack_weights(self) -> bool:
+        """Pack the loaded weights for oneDNN where that is the CPU path (as `pack_linear_weights` does)."""
+        if not OneDnnExperts.supports(self.gate_up_weight):
+            return False
+        self.packed = OneDnnExperts(self.gate_up_weight, self.down_weight)
+        return True
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Each expert's checkpoint weight names and the part of the stacked tensors they fill."""
@@ -63,7 +72,11 @@ class SparseMoeBlock(nn.Module):
         routed = expert_ids.flatten()
         # Not bincount: on CUDA it reads the largest id back, which a captured graph cannot do.
         self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
-        out = backend.fused_moe(x, self.experts.gate_up_weight, self.experts.down_weight, weights, expert_ids)
+        experts = self.experts
+        if experts.packed is not None:  # like `Linear`: the packed CPU path, whatever the attention backend
+            out = experts.packed.fused_moe(x, weights, expert_ids)
+        else:
+            out = backend.fused_moe(x, experts.gate_up_weight, experts.down_weight, weights, expert_ids)
         if self.config.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, backend)
         return out
