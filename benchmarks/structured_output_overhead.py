@@ -12,7 +12,7 @@ strings, bounded integers, enum arrays, numbers): no output can complete within 
 and walk through many grammar states. The free run ignores EOS to keep all 64 going as well (structured outputs
 refuse `ignore_eos`; without `min_tokens` it changes no sampling work). Inside constrained runs it also times
 `TokenMasks.apply` (bitmask fill of the 64 rows, then the mask of the logits) and the matchers taking their sampled
-tokens (`accept_token` or `consume_token`, whichever the grammar backend has), summed per step; that timing wraps
+tokens (`consume_token`), summed per step; that timing wraps
 each matcher in a proxy while its token is processed, which adds a few µs a request (~0.2 ms a step) to the
 constrained steps.
 
@@ -95,7 +95,7 @@ class Timers:
     """Seconds spent in the step's structured-output work, reset before every step."""
 
     apply_s: float = 0.0  # TokenMasks.apply: fill the constrained rows' bitmasks, then mask their logits
-    accept_s: float = 0.0  # the matchers taking the sampled tokens (accept_token / consume_token)
+    accept_s: float = 0.0  # the matchers taking the sampled tokens (consume_token)
 
 
 TIMERS = Timers()
@@ -127,8 +127,7 @@ class TimedGrammar:
 
 
 def instrument(llm: LLM) -> None:
-    """Time `TokenMasks.apply` and the matcher calls of `LLMEngine._process_token`, whichever grammar backend the
-    engine uses."""
+    """Time `TokenMasks.apply` and the matcher calls of `LLMEngine._process_token`."""
     engine = llm.engine
     engine._token_masks.apply = timed(engine._token_masks.apply, "apply_s")
     process_token = engine._process_token
@@ -185,7 +184,7 @@ def main() -> None:
     compile_start_s = time.perf_counter()
     llm.engine.grammars.compile(spec)  # cold: not cached yet
     compile_s = time.perf_counter() - compile_start_s
-    backends = [f"{name} {version(name)}" for name in ("xgrammar", "llguidance") if name in sys.modules]
+    backends = [f"llguidance {version('llguidance')}"]
     versions = ", ".join([f"torch {torch.__version__} ({torch.get_num_threads()} threads)", *backends])
     print(f"model and tokenizer ready in {compile_start_s - build_start_s:.1f} s; vocab {llm.engine.vocab_size}; "
           f"{versions}; first schema compile {compile_s * 1e3:.0f} ms")  # fmt: skip
@@ -238,7 +237,7 @@ def report(rounds: list[dict[str, Run]], cold_ms: float, args: argparse.Namespac
     print(f"| difference (median of per-round differences) | {statistics.median(differences):+.2f} |")
     print(f"| ratio json_schema / unconstrained | {constrained_ms / free_ms:.3f} |")
     print(f"| `TokenMasks.apply` (fill 64 bitmask rows + mask logits) | {apply_ms:.2f} |")
-    print(f"| 64 matchers taking their sampled token (`accept_token` / `consume_token`) | {accept_ms:.2f} |")
+    print(f"| 64 matchers taking their sampled token (`consume_token`) | {accept_ms:.2f} |")
     print(f"| apply + accept, share of the constrained step | {(apply_ms + accept_ms) / constrained_ms:.1%} |")
     print(f"| json_schema step, cold run: the fresh schema's first 64 requests (not in the rounds) | {cold_ms:.2f} |")
     print()

@@ -105,7 +105,7 @@ def _check_choice(text: str) -> None:
     assert text in CHOICES
 
 
-# Each kind of constraint with an oracle that does not use xgrammar.
+# Each kind of constraint with an oracle that does not use the grammar engine.
 CONSTRAINTS = {
     "json_schema": (_json_schema(PERSON_SCHEMA), _check_schema(PERSON_SCHEMA)),
     "nested_json_schema": (_json_schema(ORDER_SCHEMA), _check_schema(ORDER_SCHEMA)),

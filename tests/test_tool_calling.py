@@ -233,5 +233,5 @@ def test_langchain_tool_round_trip(chat_model):
 
 
 def _literal_regex(text: str) -> str:
-    """A regex (xgrammar's syntax) matching exactly `text`."""
+    """A regex (the grammar engine's syntax) matching exactly `text`."""
     return "".join("\\" + char if char in r"\.^$*+?()[]{}|/-" else char for char in text)
