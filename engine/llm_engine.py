@@ -131,6 +131,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._token_masks = TokenMasks(config.max_num_seqs, self.grammars.mask_vocab_size, self.vocab_size, self.device)
         self._states: dict[str, _RequestState] = {}
+        self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are not all computed yet
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self._request_counter = itertools.count()
         logger.info(
@@ -191,6 +192,8 @@ class LLMEngine:
             stop_filter=StopStringFilter(params.stop),
             prompt_logprobs=[None] if wants_prompt_logprobs else None,
         )
+        if wants_prompt_logprobs and len(prompt_token_ids) > 1:
+            self._scoring_prompts.add(request_id)
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Remove a request wherever it is and free its blocks at once; its last delta, or None if it is unknown."""
@@ -198,6 +201,7 @@ class LLMEngine:
         if request is None:
             return None
         state = self._states.pop(request_id)
+        self._scoring_prompts.discard(request_id)
         return state.release(state.stop_filter.flush(), FinishReason.ABORT.value)
 
     def has_unfinished(self) -> bool:
@@ -266,12 +270,12 @@ class LLMEngine:
         """The step's token rows whose logits score a prompt token still without a logprob, and for each
         its request and that token (the logits at position p score prompt token p + 1)."""
         rows, targets = [], []
-        if not any(state.prompt_logprobs is not None for state in self._states.values()):
+        if not self._scoring_prompts:
             return rows, targets
         first_row = 0
         for item in output.scheduled:
-            state = self._states[item.request.request_id]
-            if state.prompt_logprobs is not None:
+            if item.request.request_id in self._scoring_prompts:
+                state = self._states[item.request.request_id]
                 prompt = item.request.prompt_token_ids
                 # A preempted request recomputes its prompt: positions already scored are skipped.
                 first = max(item.start_position, len(state.prompt_logprobs) - 1)
@@ -287,6 +291,8 @@ class LLMEngine:
         entries = prompt_logprobs(logits, [token_id for _, token_id in targets], num_top)
         for (state, _), entry in zip(targets, entries, strict=True):
             state.prompt_logprobs.append(entry)
+            if state.prompt_logprobs_complete:
+                self._scoring_prompts.discard(state.request.request_id)
 
     def _sampling_row(self, state: _RequestState) -> SamplingRow:
         params = state.params
