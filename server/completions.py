@@ -74,8 +74,6 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
 def _num_candidates(body: CompletionRequest, ctx: ServerContext) -> int:
     """How many sequences each prompt samples: `best_of` (returning the `n` best) or `n`."""
-    if body.max_tokens == 0 and not body.echo:
-        raise bad_request("max_tokens 0 returns nothing without echo", param="max_tokens")
     if body.best_of is None or body.best_of == body.n:
         return body.n
     if body.best_of < body.n:

@@ -34,6 +34,8 @@ def check_sampling_fields(body: SamplingFields) -> None:
 
 def check_completion_fields(body: CompletionRequest) -> None:
     check_sampling_fields(body)
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 returns nothing without echo", param="max_tokens")
     if body.suffix:
         raise bad_request("`suffix` (fill-in-the-middle) is not supported by this model's template", param="suffix")
 
