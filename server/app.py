@@ -6,12 +6,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.chat import create_chat_completion, render_chat_prompt
 from server.completions import create_completion
+from server.console import ConsoleFiles
 from server.context import ServerContext
 from server.errors import HANDLED_ERRORS, APIError, handle_exception
 from server.metrics import CountHTTPRequests
@@ -155,4 +156,12 @@ def create_app(ctx: ServerContext) -> FastAPI:
         ctx.engine.engine.tokenize_prompt(body.tokens)  # range-checks the ids
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
+    if ctx.settings.console:
+        # The pages hold no data and are open: a browser cannot send a bearer token when it navigates. Every
+        # figure they show comes from /v1 routes, which ask for the key (the page prompts for it on a 401).
+        @app.get("/", include_in_schema=False)
+        async def console_home():
+            return RedirectResponse("/console/")
+
+        app.mount("/console", ConsoleFiles(), name="console")
     return app

@@ -35,6 +35,7 @@ class _ServerOnlySettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="if set, /v1 routes need `Authorization: Bearer <key>`")
     cors_allow_origins: list[str] = Field(default_factory=list, description="CORS is off when empty")
+    console: bool = Field(True, description="serve the web console at / (playground, live view, KV-cache map)")
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_queued_requests: int = Field(256, ge=1, description="waiting requests beyond this get 429")
     max_n: int = Field(16, ge=1, description="largest `n` a request may ask for")

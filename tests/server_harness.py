@@ -82,12 +82,12 @@ def tiny_server(checkpoints: dict[str, Path], **settings) -> AbstractContextMana
     return running_server(**{**defaults, **settings})
 
 
-def slow_down_steps(running: RunningServer, monkeypatch) -> None:
-    """Every model step takes at least STEP_DELAY_S, so long requests last long on any machine."""
+def slow_down_steps(running: RunningServer, monkeypatch, delay_s: float = STEP_DELAY_S) -> None:
+    """Every model step takes at least `delay_s`, so long requests last long on any machine."""
     execute = running.engine.runner.execute
 
     def slow_execute(scheduler_output, *args):
-        time.sleep(STEP_DELAY_S)
+        time.sleep(delay_s)
         return execute(scheduler_output, *args)
 
     monkeypatch.setattr(running.engine.runner, "execute", slow_execute)
