@@ -8,7 +8,9 @@ them over merged, so a slow reader never holds up the batch and costs only the t
 A failed model step fails the requests in flight and makes the engine unhealthy until a step
 succeeds (or, with no traffic to prove it, for `unhealthy_after_failure_s`); after
 `max_consecutive_step_failures` failed steps in a row the loop stops for good (`failed`), and
-every request in flight or queued gets an error, so no client waits on a dead engine.
+every request in flight or queued gets an error, so no client waits on a dead engine. With tensor
+parallelism one failed step is enough (the ranks may no longer be in step), and so is a rank that exits,
+even with nothing running: `fatal_error` says which, and the server exits on it.
 
 The console's `EngineState` is taken on the engine thread too, between steps, only when someone asks
 for it (a `_TakeState` command) and at most once per STATE_MAX_AGE_S; a step costs nothing extra
@@ -144,6 +146,7 @@ class AsyncLLMEngine:
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.unhealthy_after_failure_s = unhealthy_after_failure_s
         self.failed = False  # set when the loop stopped after too many failed steps in a row
+        self.failure: str | None = None  # why, once `failed`
         self._on_stats = on_stats
         self._stats = StatsTracker()
         self._stats_window = StatsWindow()  # engine thread only
@@ -177,12 +180,16 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         """The engine thread is alive, its last step did not fail (recently), and, if it has work, it finished
         a step recently."""
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() or self.engine.rank_failure() is not None:
             return False
         now_s = time.monotonic()
         if self._num_failed_steps_in_a_row and now_s - self._last_failure_s < self.unhealthy_after_failure_s:
             return False
         return self._num_in_flight == 0 or now_s - self._last_progress_s < self.stall_timeout_s
+
+    def fatal_error(self) -> str | None:
+        """Why the engine can serve no more (it stopped, or a tensor-parallel rank exited); None while it can."""
+        return self.failure or self.engine.rank_failure()
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -245,13 +252,19 @@ class AsyncLLMEngine:
             return
         finally:
             self._ready.set()
+        try:
+            self._loop()
+        finally:
+            self.engine.close()
+
+    def _loop(self) -> None:
         while self._apply_commands(block=not self.engine.has_unfinished()):
             start_s = time.monotonic()
             try:
                 deltas = self.engine.step()
-            except Exception:  # a failed step must not kill the loop or strand clients
+            except Exception as error:  # a failed step must not kill the loop or strand clients
                 logger.exception("engine step failed; failing the requests in flight")
-                if self._step_failed():
+                if self._step_failed(error):
                     return
                 continue
             if not self.engine.scheduler.last_output.is_empty:  # only a step that ran the model shows it works
@@ -317,17 +330,22 @@ class AsyncLLMEngine:
                 self._num_in_flight -= 1
         return stream
 
-    def _step_failed(self) -> bool:
+    def _step_failed(self, error: Exception) -> bool:
         """Fail the requests in flight; True if that was one failed step too many and the loop must end."""
         self._num_failed_steps_in_a_row += 1
         self._last_failure_s = time.monotonic()
         self._fail_all(EngineStepError(STEP_FAILED_MESSAGE))
         self._report_stats()
-        if self._num_failed_steps_in_a_row < self.max_consecutive_step_failures:
+        if self.engine.ranks is not None:  # a collective failed or was cut short: the ranks are out of step
+            failure = self.engine.rank_failure() or f"a tensor-parallel step failed ({error})"
+            self.engine.ranks.kill()  # nothing to wait for: a hung rank would not hear a stop
+        elif self._num_failed_steps_in_a_row < self.max_consecutive_step_failures:
             return False
-        logger.error("%d model steps failed in a row; the engine stops", self._num_failed_steps_in_a_row)
-        self._stop(EngineUnavailableError(f"the engine stopped after {self._num_failed_steps_in_a_row} failed steps"))
-        self.failed = True
+        else:
+            failure = f"{self._num_failed_steps_in_a_row} model steps failed in a row"
+        logger.error("%s; the engine stops", failure)
+        self._stop(EngineUnavailableError(f"the engine stopped: {failure}"))
+        self.failure, self.failed = failure, True
         return True
 
     def _stop(self, error: Exception) -> None:

@@ -18,8 +18,8 @@ class EngineConfig:
     dtype: "auto" (float32 on CPU, the checkpoint's 16-bit dtype on CUDA), "float32", "bfloat16", "float16".
     kv_cache_dtype: "auto" (K and V in the model's dtype) or "int8" (one fp32 scale per token and head;
         about half the bytes of a 16-bit cache).
-    kv_cache_memory_bytes: byte budget of the KV cache; None means 1 GiB on CPU and
-        `gpu_memory_utilization` of the GPU's memory, less what the model and a warm-up step use, on CUDA.
+    kv_cache_memory_bytes: byte budget of the KV cache (each rank's, with tensor parallelism); None means 1 GiB
+        on CPU and `gpu_memory_utilization` of the GPU's memory, less what the model and a warm-up step use, on CUDA.
     max_model_len: context window; None means the model's.
     max_num_batched_tokens: per-step token budget; None means 2048, or max(2048, max_model_len) without
         chunked prefill (then a whole prompt must fit in one step).
@@ -29,6 +29,10 @@ class EngineConfig:
     attention_backend: "auto" (the Triton kernels on CUDA, the C++ kernels on a CPU, the torch path where
         they cannot be built), "triton", "cpu" or "torch".
     enforce_eager: run every step eagerly; by default, on CUDA, pure-decode steps replay CUDA graphs.
+    tensor_parallel_size: ranks the model is split over (heads, MLP and vocabulary; each rank its own KV heads);
+        kvserve starts the other ranks itself, or joins them under torchrun-style variables (README).
+    tensor_parallel_timeout_s: how long a step's collective may wait for a rank before the engine gives up on it
+        (meeting and loading at start-up may take ten minutes; idle time between steps is not bounded).
     """
 
     model: str | None = None
@@ -48,6 +52,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,6 +65,10 @@ class EngineConfig:
         check_backend_name(self.attention_backend)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
 

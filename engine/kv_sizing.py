@@ -1,14 +1,74 @@
-"""How many bytes the KV cache may take: a configured budget, or what the GPU has left after a warm-up."""
+"""The KV cache's size: a configured byte budget, or what the GPU has left after a warm-up; and the step limits."""
 
 import itertools
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.model_runner import paged_kv_layers
-from engine.models import DecoderForCausalLM
-from kernels import AttentionBackend, AttentionMetadata
+from engine.models import DecoderConfig, DecoderForCausalLM
+from engine.parallel.group import TensorParallelGroup
+from kernels import AttentionBackend, AttentionMetadata, AttentionShape, select_attention_backend
 from kvcache import KVCache, KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+def step_limits(config: EngineConfig, model_config: DecoderConfig) -> StepLimits:
+    """The context window and the per-step token budget for this model."""
+    max_positions = model_config.max_position_embeddings
+    max_model_len = min(config.max_model_len or max_positions, max_positions)
+    default_budget = 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
+    max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+    if not config.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+            f"({max_model_len}) without chunked prefill: a whole prompt is prefilled in one step"
+        )
+    return StepLimits(max_model_len, max_num_batched_tokens)
+
+
+def build_kv_cache(
+    config: EngineConfig, model: DecoderForCausalLM, device: torch.device, limits: StepLimits,
+    group: TensorParallelGroup | None = None,
+) -> tuple[KVCache, AttentionBackend]:  # fmt: skip
+    """The KV cache of this rank's KV heads, as many blocks as the budget holds (with tensor parallelism, as many
+    as the tightest rank's budget holds: block ids mean the same on every rank), and the attention backend."""
+    model_config, plan = model.config, model.plan
+    spec = KVCacheSpec(
+        num_layers=model_config.num_layers,
+        num_kv_heads=plan.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype=config.torch_kv_cache_dtype(next(model.parameters()).dtype),
+        block_size=config.block_size,
+    )
+    shape = AttentionShape(config.max_num_seqs, plan.num_heads, model_config.head_dim)
+    backend = select_attention_backend(config.attention_backend, device, shape)
+    budget_bytes = kv_cache_budget_bytes(config, model, spec, backend, device, limits.max_num_batched_tokens)
+    num_blocks = spec.num_blocks_for_budget(budget_bytes)
+    if group is not None:
+        num_blocks = group.min_over_ranks(num_blocks)
+    return KVCache.allocate(spec, num_blocks, device), backend
+
+
+def log_kv_cache(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device, model_dir) -> None:
+    spec, plan = kv_cache.spec, model.plan
+    heads = f", KV heads {plan.first_kv_head}-{plan.first_kv_head + spec.num_kv_heads - 1}" if plan.size > 1 else ""
+    logger.info(
+        "%sloaded %s (%s, %s on %s); KV cache (%s%s%s): %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes a token)",
+        f"rank {plan.rank} of {plan.size}: " if plan.size > 1 else "",
+        model_dir, type(model).__name__, next(model.parameters()).dtype, device, spec.dtype,
+        " + fp32 scales per token and head" if spec.quantized else "", heads, kv_cache.num_blocks, spec.block_size,
+        kv_cache.num_tokens, kv_cache.total_bytes / 2**20, spec.bytes_per_token,
+    )  # fmt: skip
 
 
 def kv_cache_budget_bytes(

@@ -10,8 +10,20 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
+    """With `tensor_parallel_size` > 1 the other ranks are processes of their own: `close()` them (or use
+    `with LLM(...) as llm:`); they also end when this process does."""
+
     def __init__(self, model: str | None = None, **config_overrides) -> None:
         self.engine = LLMEngine(replace(EngineConfig(model=model), **config_overrides))
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(
         self,

@@ -13,17 +13,17 @@ from engine.decode_graphs import capture_sizes
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, default_model_dir
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.errors import InvalidRequestError
-from engine.kv_sizing import kv_cache_budget_bytes
+from engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
 from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
 from engine.model_runner import ModelRunner
 from engine.models.moe import SparseMoeBlock
 from engine.outputs import RequestDelta, TokenLogprob
+from engine.parallel.launch import start_ranks
 from engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, TokenMasks
 from engine.tokenizer import eos_token_ids, load_tokenizer
-from kernels import AttentionShape, select_attention_backend
-from kvcache import BlockAllocator, KVCache, KVCacheSpec, KVUsage
+from kvcache import BlockAllocator, KVUsage
 from scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -76,50 +76,20 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.dtype = config.torch_dtype(self.device, checkpoint_dtype(self.model_dir))
-        self.model = load_model(self.model_dir, self.dtype, self.device)
-        self._moe_blocks = [module for module in self.model.modules() if isinstance(module, SparseMoeBlock)]
-        model_config = self.model.config
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
+        # With tensor parallelism the other ranks start here and build their shards beside this one.
+        self.ranks = start_ranks(config, self.model_dir, self.device) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build_model_and_cache(config)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
 
-        default_budget = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)
-        max_num_batched_tokens = config.max_num_batched_tokens or default_budget
-        if not config.enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) without chunked prefill: a whole prompt is prefilled in one step"
-            )
-        spec = KVCacheSpec(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            dtype=config.torch_kv_cache_dtype(self.dtype),
-            block_size=config.block_size,
-        )
-        backend = select_attention_backend(
-            config.attention_backend,
-            self.device,
-            AttentionShape(config.max_num_seqs, model_config.num_heads, model_config.head_dim),
-        )
-        budget_bytes = kv_cache_budget_bytes(config, self.model, spec, backend, self.device, max_num_batched_tokens)
-        num_blocks = spec.num_blocks_for_budget(budget_bytes)
-        self.kv_cache = KVCache.allocate(spec, num_blocks, self.device)
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, backend, self.device, config.max_num_seqs, max_num_batched_tokens,
-            self.max_model_len,
-        )  # fmt: skip
-        if self.device.type == "cuda":
-            logger.info("kernels compiled and warmed up in %.1f s", self.runner.warm_up())
-            if not config.enforce_eager:
-                self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs))
-            self.take_expert_tokens()  # the warm-up's and captures' tokens are no load
-
+        num_blocks = self.kv_cache.num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_batched_tokens=self.limits.max_num_batched_tokens,
                 watermark_blocks=int(num_blocks * config.watermark_fraction),
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
@@ -134,20 +104,35 @@ class LLMEngine:
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are not all computed yet
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self._request_counter = itertools.count()
-        logger.info(
-            "loaded %s (%s, %s on %s); KV cache (%s%s): %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes a token)",
-            self.model_dir,
-            type(self.model).__name__,
-            self.dtype,
-            self.device,
-            spec.dtype,
-            " + fp32 scales per token and head" if spec.quantized else "",
-            num_blocks,
-            config.block_size,
-            self.kv_cache.num_tokens,
-            self.kv_cache.total_bytes / 2**20,
-            spec.bytes_per_token,
-        )
+        log_kv_cache(self.model, self.kv_cache, self.device, self.model_dir)
+
+    def _build_model_and_cache(self, config: EngineConfig) -> None:
+        group = self.ranks.group if self.ranks is not None else None
+        self.model = load_model(self.model_dir, self.dtype, self.device, group)
+        self._moe_blocks = [module for module in self.model.modules() if isinstance(module, SparseMoeBlock)]
+        self.vocab_size = self.model.config.vocab_size
+        self.limits = step_limits(config, self.model.config)
+        self.max_model_len = self.limits.max_model_len
+        self.kv_cache, backend = build_kv_cache(config, self.model, self.device, self.limits, group)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, backend, self.device, config.max_num_seqs, self.limits.max_num_batched_tokens,
+            self.max_model_len, group,
+        )  # fmt: skip
+        if self.device.type == "cuda":
+            logger.info("kernels compiled and warmed up in %.1f s", self.runner.warm_up())
+            # Tensor-parallel steps run eagerly: their collectives are not captured in graphs (yet).
+            if not config.enforce_eager and group is None:
+                self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs))
+            self.take_expert_tokens()  # the warm-up's and captures' tokens are no load
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine takes no more steps)."""
+        if self.ranks is not None:
+            self.ranks.stop()
+
+    def rank_failure(self) -> str | None:
+        """Why a tensor-parallel rank this engine started is gone (it exited), or None."""
+        return self.ranks.failure() if self.ranks is not None else None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id. Raises `InvalidRequestError` for bad input."""

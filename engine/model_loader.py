@@ -15,6 +15,8 @@ from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from
 from engine.models.layers import PackedLinear, RMSNorm, pack_linear_weights
 from engine.models.moe import Experts, SparseMoeBlock
 from engine.models.rope import RotaryEmbedding
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
 
 # Buffers some checkpoints carry that kvserve recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,14 +38,24 @@ def check_checkpoint_dir(model_dir: Path) -> None:
         raise CheckpointError(f"{model_dir}/config.json asks for the checkpoint's own code (auto_map): never run")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
-    """Build the model on the meta device, allocate it once in `dtype` on `device`, fill it from the checkpoint."""
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, group: TensorParallelGroup | None = None
+) -> DecoderForCausalLM:
+    """Build the model on the meta device, allocate it once in `dtype` on `device`, fill it from the checkpoint.
+
+    With a tensor-parallel `group`, this rank's shard only, read from the checkpoint slice by slice.
+    """
     model_dir = Path(model_dir)
     config = load_decoder_config(model_dir)
+    plan = ShardPlan.of(config, group.rank, group.size) if group is not None else ShardPlan(config)
     with torch.device("meta"):
-        model = DecoderForCausalLM(config).to(dtype)
+        model = DecoderForCausalLM(config, plan, group).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
+    if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
     for module in model.modules():  # buffers `to_empty` left uninitialized
         if isinstance(module, RotaryEmbedding):
             module.compute_tables()
@@ -112,9 +124,11 @@ def fused_destinations(model: DecoderForCausalLM) -> dict[str, tuple[torch.Tenso
 
 
 def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
+    plan = model.plan
     expected = checkpoint_destinations(model)
     destinations = {name: (tensor, [name]) for name, tensor in expected.items()}
-    destinations.update(fused_destinations(model))
+    fused = fused_destinations(model)
+    destinations.update(fused)
     loaded: set[str] = set()
     with torch.no_grad():
         for path in files:
@@ -127,17 +141,33 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
                         continue
                     if name not in destinations:
                         raise CheckpointError(f"unexpected weight {stored_name!r} in {path.name}")
+                    if name in fused and plan.size > 1:
+                        raise TensorParallelError(f"tensor parallelism cannot split fused weights ({stored_name})")
                     destination, filled_names = destinations[name]
-                    tensor = shard.get_tensor(stored_name)
+                    loaded.update(filled_names)
+                    if plan.zero_on_this_rank(name):
+                        continue
+                    part = plan.checkpoint_slice(name)
+                    tensor = _read(shard, stored_name, part)
+                    if part is not None and part.dim == 0 and part.length < destination.shape[0]:
+                        destination = destination[: part.length]  # the vocabulary's padding rows stay zero
                     if tensor.shape != destination.shape:
                         raise CheckpointError(
                             f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
                         )
                     destination.copy_(tensor)
-                    loaded.update(filled_names)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _read(shard, name: str, part: Slice | None) -> torch.Tensor:
+    """The tensor, or only its slice `part` (safetensors reads just those bytes)."""
+    if part is None:
+        return shard.get_tensor(name)
+    view = shard.get_slice(name)
+    end = part.start + part.length
+    return view[part.start : end] if part.dim == 0 else view[:, part.start : end]
 
 
 def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:

@@ -7,6 +7,8 @@ import torch
 
 from engine.decode_graphs import CudaGraph, DecodeGraphs
 from engine.models import DecoderForCausalLM
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.step_message import StepMessage
 from engine.sampler import to_device
 from engine.step_inputs import InputBuffers, StepInputs
 from kernels import AttentionBackend, PagedKV
@@ -26,9 +28,11 @@ def paged_kv_layers(kv_cache: KVCache) -> list[PagedKV]:
 class ModelRunner:
     def __init__(
         self, model: DecoderForCausalLM, kv_cache: KVCache, backend: AttentionBackend, device: torch.device,
-        max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, group: TensorParallelGroup | None = None,
     ) -> None:  # fmt: skip
+        """With a tensor-parallel `group` (on rank 0), each step is sent to the other ranks before it runs here."""
         self.model = model
+        self.group = group
         self.kv_cache = kv_cache
         self.layer_caches = paged_kv_layers(kv_cache)
         self.backend = backend
@@ -71,6 +75,8 @@ class ModelRunner:
         requests that sample, in order, then those of `extra_rows` (indices into the step's tokens)."""
         graph_size = self.decode_graphs.size_for(output) if self.decode_graphs is not None else None
         inputs = self.inputs.prepare(output, num_padded_seqs=graph_size)
+        if self.group is not None:
+            StepMessage.of_prepared(self.inputs, extra_rows).send(self.group)
         hidden = self.forward(inputs) if graph_size is None else self.decode_graphs.replay(graph_size)
         rows = inputs.sample_rows
         if extra_rows:

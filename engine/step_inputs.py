@@ -91,6 +91,15 @@ class BlockTableRows:
 
 
 @dataclass(frozen=True)
+class PreparedCounts:
+    """How much of the host buffers the last `prepare` filled (what a tensor-parallel step message reads)."""
+
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_sample_rows: int = 0
+
+
+@dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens] int64
@@ -126,8 +135,7 @@ class InputBuffers:
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.step_block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._token_positions = torch.arange(max_num_tokens, device=device)
-        self._seq_numbers = torch.arange(max_num_seqs, device=device)
+        self.prepared = PreparedCounts()
 
     def prepare(self, output: SchedulerOutput, num_padded_seqs: int | None = None) -> StepInputs:
         """The step's inputs; with `num_padded_seqs`, a pure-decode batch padded to that many one-token
@@ -174,6 +182,7 @@ class InputBuffers:
             _to_device(host[:count], device_buffer[:count])
 
         self._derive_positions_and_slots(total_tokens, padded)
+        self.prepared = PreparedCounts(total_tokens, padded, len(sample_rows))
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:total_tokens],
             query_start_loc=self.query_start_loc[: padded + 1],
@@ -187,18 +196,34 @@ class InputBuffers:
         )
 
     def _derive_positions_and_slots(self, total_tokens: int, num_seqs: int) -> None:
-        """On the device: each token's position and cache slot, and the step's block tables by batch order."""
-        query_start_loc, seq_lens = self.query_start_loc[: num_seqs + 1], self.seq_lens[:num_seqs]
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        seq_index = torch.repeat_interleave(self._seq_numbers[:num_seqs], query_lens, output_size=total_tokens)
-        first_positions = (seq_lens - query_lens)[seq_index]
-        positions = self._token_positions[:total_tokens] - query_start_loc[:-1][seq_index] + first_positions
-        self.positions[:total_tokens] = positions
+        """On the device: the step's block tables by batch order, then each token's position and cache slot."""
         block_tables = self.step_block_tables[:num_seqs]
         torch.index_select(self.block_tables.device_table, 0, self.rows[:num_seqs], out=block_tables)
-        block_ids = block_tables[seq_index, positions // self.block_size].long()
-        self.slot_mapping[:total_tokens] = block_ids * self.block_size + positions % self.block_size
-        if self.long_rope is not None:
-            original_len, long_rows = self.long_rope
-            rotates_long = self.sequence_lens[:num_seqs][seq_index] > original_len
-            self.positions[:total_tokens] = positions + long_rows * rotates_long
+        sequence_lens = self.sequence_lens[:num_seqs] if self.long_rope is not None else None
+        positions, slot_mapping = positions_and_slots(
+            self.query_start_loc[: num_seqs + 1], self.seq_lens[:num_seqs], block_tables, self.block_size,
+            total_tokens, self.long_rope, sequence_lens,
+        )  # fmt: skip
+        self.positions[:total_tokens] = positions
+        self.slot_mapping[:total_tokens] = slot_mapping
+
+
+def positions_and_slots(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+    total_tokens: int, long_rope: tuple[int, int] | None = None, sequence_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each packed token's position (a row of the rotary tables: LongRoPE's long rows for sequences past the
+    original context) and its cache slot, on the tensors' device."""
+    num_seqs = seq_lens.shape[0]
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_numbers = torch.arange(num_seqs, device=seq_lens.device)
+    seq_index = torch.repeat_interleave(seq_numbers, query_lens, output_size=total_tokens)
+    first_positions = (seq_lens - query_lens)[seq_index]
+    token_numbers = torch.arange(total_tokens, device=seq_lens.device)
+    positions = token_numbers - query_start_loc[:-1][seq_index] + first_positions
+    block_ids = block_tables[seq_index, positions // block_size].long()
+    slot_mapping = block_ids * block_size + positions % block_size
+    if long_rope is not None:
+        original_len, long_rows = long_rope
+        positions = positions + long_rows * (sequence_lens[seq_index] > original_len)
+    return positions, slot_mapping

@@ -15,10 +15,12 @@ import typing
 from engine import LLM, InvalidRequestError, SamplingParams
 from engine.model_loader import CheckpointError
 from engine.models import UnsupportedModelError
+from engine.parallel.sharding import TensorParallelError
 from server.settings import ServerSettings, SettingsError, load_settings
 
-# A checkpoint kvserve cannot load: one line on stderr and exit status 2, as for bad settings, not a traceback.
-MODEL_ERRORS = (CheckpointError, UnsupportedModelError)
+# A checkpoint kvserve cannot load (or split over the ranks asked for): one line on stderr and exit status 2, as
+# for bad settings, not a traceback.
+MODEL_ERRORS = (CheckpointError, UnsupportedModelError, TensorParallelError)
 DEMO_PROMPTS = [
     "Once upon a time there was a small town by a river.",
     "The cache is cut into blocks of sixteen tokens.",

@@ -65,6 +65,9 @@ class ServerMetrics:
         self.num_requests_preempted_waiting = gauge(
             "num_requests_preempted_waiting", "Waiting requests that were preempted and wait to be recomputed."
         )
+        self.tensor_parallel_size = gauge(
+            "tensor_parallel_size", "Ranks the model is split over (each holds its share of the KV heads)."
+        )
         self.kv_cache_blocks = gauge("kv_cache_blocks", "KV cache blocks in all.")
         self.kv_cache_used_blocks = gauge("kv_cache_used_blocks", "KV cache blocks held by requests.")
         self.kv_cache_usage_ratio = gauge("kv_cache_usage_ratio", "Share of the KV cache blocks in use (0 to 1).")

@@ -10,6 +10,8 @@ import uvicorn
 from engine import LLMEngine, fault_injection
 from engine.async_engine import AsyncLLMEngine
 from engine.default_model import DEFAULT_MODEL_NAME
+from engine.parallel.launch import launched_rank
+from engine.parallel.worker import run_launched_worker
 from server.app import create_app
 from server.context import ServerContext
 from server.metrics import ServerMetrics
@@ -25,6 +27,7 @@ def build_context(settings: ServerSettings) -> ServerContext:
     default_name = Path(settings.model).name if settings.model else DEFAULT_MODEL_NAME
     model_name = settings.served_model_name or default_name
     metrics = ServerMetrics(model_name)
+    metrics.tensor_parallel_size.set(settings.tensor_parallel_size)
     engine = AsyncLLMEngine(
         lambda: _make_engine(settings),
         max_queued_requests=settings.max_queued_requests,
@@ -70,7 +73,8 @@ class DrainingServer(uvicorn.Server):
     """On the first SIGTERM/SIGINT: answer 503 to new requests, let in-flight ones finish for up to
     `drain_timeout_s`, fail the rest with 503, then stop. A second signal, or a timeout of 0, fails the requests
     in flight with 503 and stops at once.
-    If the engine stops after repeated failed steps, the server stops too, with `exit_status` 1."""
+    If the engine stops (repeated failed steps, or a tensor-parallel rank gone), the server stops too, with
+    `exit_status` 1."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
         super().__init__(config)
@@ -80,8 +84,9 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s; a failed engine takes no more requests, so a supervisor should restart us.
-        if self.ctx.engine.failed and not self.exit_status:
-            logger.error("the engine stopped after repeated failed model steps; exiting with status 1")
+        failure = self.ctx.engine.fatal_error()
+        if failure is not None and not self.exit_status:
+            logger.error("the engine cannot serve any more (%s); exiting with status 1", failure)
             self.exit_status = 1
             self.should_exit = True
         return await super().on_tick(counter)
@@ -114,7 +119,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: ServerSettings) -> int:
-    """Serve until stopped; returns the process exit status (0, or 1 if the engine failed)."""
+    """Serve until stopped; returns the process exit status (0, or 1 if the engine failed).
+
+    A tensor-parallel rank other than 0 launched from outside (RANK set, as torchrun does) serves no HTTP: it runs
+    the worker loop until rank 0 stops it."""
+    rank = launched_rank()
+    if settings.tensor_parallel_size > 1 and rank not in (None, 0):
+        logger.info("tensor-parallel rank %d: running the worker loop for rank 0", rank)
+        run_launched_worker(settings.engine_config())
+        return 0
     ctx = build_context(settings)
     server = DrainingServer(uvicorn_config(ctx, host=settings.host, port=settings.port, log_level="info"), ctx)
     logger.info("serving %r at http://%s:%d/v1 (docs at /docs)", ctx.model_name, settings.host, settings.port)

@@ -109,9 +109,9 @@ def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
     assert llm.engine.kv_usage().num_used_blocks == 0
 
 
-def assert_prefix_cached_run_matches_hf(model_dir: Path, hf_reference) -> None:
+def assert_prefix_cached_run_matches_hf(model_dir: Path, hf_reference, **settings) -> None:
     """The parity prompts twice on one engine: the second run's full blocks come from the prefix cache."""
-    llm = LLM(str(model_dir), enable_prefix_caching=True)
-    assert_matches_hf(llm, hf_reference, "one_batch")
-    assert_matches_hf(llm, hf_reference, "one_batch")
-    assert llm.engine.scheduler.prefix_cache_hit_tokens > 0
+    with LLM(str(model_dir), enable_prefix_caching=True, **settings) as llm:
+        assert_matches_hf(llm, hf_reference, "one_batch")
+        assert_matches_hf(llm, hf_reference, "one_batch")
+        assert llm.engine.scheduler.prefix_cache_hit_tokens > 0

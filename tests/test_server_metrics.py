@@ -21,6 +21,7 @@ EXPECTED_TYPES = {
     "kvserve:num_requests_running": "gauge",
     "kvserve:num_requests_waiting": "gauge",
     "kvserve:num_requests_preempted_waiting": "gauge",
+    "kvserve:tensor_parallel_size": "gauge",
     "kvserve:kv_cache_blocks": "gauge",
     "kvserve:kv_cache_used_blocks": "gauge",
     "kvserve:kv_cache_usage_ratio": "gauge",

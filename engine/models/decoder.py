@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Linear, PackedLinear, RMSNorm
+from engine.models.layers import Linear, PackedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from engine.models.moe import MoeConfig, SparseMoeBlock
 from engine.models.rope import RopeConfig, RotaryEmbedding
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.sharding import ShardPlan
 from kernels import AttentionBackend, AttentionMetadata, PagedKV
 
 
@@ -54,23 +56,26 @@ class DecoderConfig:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
 
+def _row_parallel(in_features: int, out_features: int, bias: bool, group: TensorParallelGroup | None) -> Linear:
+    if group is None:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, group)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding, sliding_window: int | None = None) -> None:
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
+    def __init__(
+        self, config: DecoderConfig, rotary: RotaryEmbedding, sliding_window: int | None, plan: ShardPlan,
+        group: TensorParallelGroup | None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-        )
-        hidden, q_size, kv_size = (
-            config.hidden_size,
-            config.num_heads * config.head_dim,
-            config.num_kv_heads * config.head_dim,
-        )
+        self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, config.head_dim
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(
             hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=config.qkv_bias
         )
-        self.o_proj = Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.o_proj = _row_parallel(q_size, hidden, config.o_proj_bias, group)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -95,11 +100,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str = "silu") -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str = "silu",
+        group: TensorParallelGroup | None = None,
+    ) -> None:  # fmt: skip
+        """`intermediate_size`: this rank's share with a tensor-parallel `group`."""
         super().__init__()
         size = intermediate_size
         self.gate_up_proj = PackedLinear(hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias)
-        self.down_proj = Linear(size, hidden_size, bias=bias)
+        self.down_proj = _row_parallel(size, hidden_size, bias, group)
         self.gelu = hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
@@ -111,13 +120,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding, index: int) -> None:
+    def __init__(
+        self, config: DecoderConfig, rotary: RotaryEmbedding, index: int, plan: ShardPlan,
+        group: TensorParallelGroup | None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, rotary, config.sliding_window(index))
+        self.self_attn = Attention(config, rotary, config.sliding_window(index), plan, group)
         if config.moe is not None and index in config.moe.sparse_layers:
             self.mlp = SparseMoeBlock(config.hidden_size, config.moe, MLP)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+            self.mlp = MLP(config.hidden_size, plan.intermediate_size, config.mlp_bias, config.hidden_act, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sandwich_norms = config.sandwich_norms
@@ -142,16 +154,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, plan: ShardPlan, group: TensorParallelGroup | None) -> None:
         super().__init__()
         # One rotary table shared by all layers (a buffer, not a checkpoint weight).
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
         # Gemma 3's sliding-window layers rotate with a rope of their own.
         if config.local_rope is not None:
             self.local_rotary = RotaryEmbedding(config.local_rope, config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if group is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                plan.vocab_rows, config.hidden_size, plan.first_vocab_row, plan.num_real_vocab_rows, group
+            )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_of_layer(config, index), index) for index in range(config.num_layers)
+            DecoderLayer(config, self.rotary_of_layer(config, index), index, plan, group)
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -162,11 +180,17 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    """The decoder, or with a tensor-parallel `group` the part of it `plan` gives this rank."""
+
+    def __init__(
+        self, config: DecoderConfig, plan: ShardPlan | None = None, group: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.plan = plan or ShardPlan(config)
+        self.group = group
+        self.model = DecoderModel(config, self.plan, group)
+        self.lm_head = Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -191,7 +215,13 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, kv_cache, metadata, backend)
         return self.model.norm.add_and_norm(hidden, residual, backend)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab_size] (fp32); with tensor parallelism each rank computes its vocabulary rows' and
+        rank 0 gathers them (the others get None)."""
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+        if self.group is None:
+            return logits
+        parts = self.group.gather_on_first(logits)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, : self.config.vocab_size]

@@ -9,11 +9,16 @@ a reorder each call (10-25% at decode batch sizes, in bfloat16 too). BENCHMARKS.
 weights take twice their memory.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -31,6 +36,37 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """A tensor-parallel rank's share of a projection over its slice of the input features (its heads, its
+    slice of the intermediate size): the ranks' partial outputs are summed by one all-reduce. Only rank 0
+    holds the bias (the others hold zeros), so it is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: "TensorParallelGroup") -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """A tensor-parallel rank's rows of the embedding, [first_row, first_row + num_real_rows) of the vocabulary
+    (then padding): each token's vector comes from the rank that holds it, the others add zeros."""
+
+    def __init__(
+        self, num_rows: int, hidden_size: int, first_row: int, num_real_rows: int, group: "TensorParallelGroup"
+    ) -> None:
+        super().__init__(num_rows, hidden_size)
+        self.first_row, self.num_real_rows = first_row, num_real_rows
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local_ids = input_ids - self.first_row
+        elsewhere = (local_ids < 0) | (local_ids >= self.num_real_rows)
+        vectors = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        return self.group.all_reduce(vectors.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
 
 def pack_linear_weights(model: nn.Module) -> bool:
