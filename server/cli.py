@@ -2,7 +2,8 @@
 
 `kvserve serve [MODEL]` runs the OpenAI-compatible server; `kvserve generate [MODEL]` runs an
 offline generation and prints each completion and the throughput. Without MODEL both use the
-built-in default model (random weights).
+built-in default model (random weights). `kvserve bench` load-tests a running server (any
+OpenAI-compatible one); it imports neither the engine nor torch, so it starts at once.
 """
 
 import argparse
@@ -12,15 +13,8 @@ import time
 import types
 import typing
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.model_loader import CheckpointError
-from engine.models import UnsupportedModelError
-from engine.parallel.sharding import TensorParallelError
-from server.settings import ServerSettings, SettingsError, load_settings
+from server.bench import cli as bench_cli
 
-# A checkpoint kvserve cannot load (or split over the ranks asked for): one line on stderr and exit status 2, as
-# for bad settings, not a traceback.
-MODEL_ERRORS = (CheckpointError, UnsupportedModelError, TensorParallelError)
 DEMO_PROMPTS = [
     "Once upon a time there was a small town by a river.",
     "The cache is cut into blocks of sixteen tokens.",
@@ -29,8 +23,20 @@ DEMO_PROMPTS = [
 ]
 
 
+def _model_errors() -> tuple[type[Exception], ...]:
+    """A checkpoint kvserve cannot load (or split over the ranks asked for): one line on stderr and exit status 2,
+    as for bad settings, not a traceback."""
+    from engine.model_loader import CheckpointError
+    from engine.models import UnsupportedModelError
+    from engine.parallel.sharding import TensorParallelError
+
+    return CheckpointError, UnsupportedModelError, TensorParallelError
+
+
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerSettings field (--max-num-seqs for max_num_seqs); unset flags override nothing."""
+    from server.settings import ServerSettings  # imports the engine (torch): only for `serve`
+
     for name, field in ServerSettings.model_fields.items():
         if name == "model":
             continue
@@ -57,7 +63,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: built-in model)")
     serve.add_argument("--config", default=None, help="YAML settings file (flags and KVSERVE_* env override it)")
-    _add_settings_flags(serve)
+    if argv[:1] == ["serve"]:  # its flags come from the engine's settings: other commands need not import torch
+        _add_settings_flags(serve)
 
     generate = commands.add_parser("generate", help="generate offline from prompts and print text and tokens/s")
     generate.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: built-in model)")
@@ -69,11 +76,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     generate.add_argument("--dtype", default="auto")
     generate.add_argument("--max-num-seqs", type=int, default=64)
     generate.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+
+    bench_cli.add_parser(commands)
     return parser.parse_args(argv)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from server.serve import serve  # imports uvicorn and FastAPI only when serving
+    from server.settings import ServerSettings, SettingsError, load_settings
 
     overrides = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
     try:
@@ -83,12 +93,14 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return serve(settings)
-    except MODEL_ERRORS as error:
+    except _model_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, InvalidRequestError, SamplingParams
+
     try:
         llm = LLM(
             args.model,
@@ -98,7 +110,7 @@ def _generate(args: argparse.Namespace) -> int:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             seed=args.seed,
         )
-    except MODEL_ERRORS as error:
+    except _model_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -120,7 +132,8 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    return _serve(args) if args.command == "serve" else _generate(args)
+    commands = {"serve": _serve, "generate": _generate, "bench": bench_cli.run}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,7 @@
 """The console's files as the server serves them (no browser here: see test_console_browser.py): where they are,
-their headers, `--no-console`, the API key, and that the built package carries them."""
+their headers, `--no-console` and the API key (test_packaging.py checks the wheel carries them)."""
 
 import re
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +10,6 @@ from server.console import SECURITY_HEADERS, STATIC_DIR
 from tests.server_harness import tiny_server
 
 API_KEY = "console-key"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _referenced_files(index_html: str, scripts: dict[str, str]) -> set[str]:
@@ -87,15 +82,3 @@ def test_the_no_console_flag_and_setting_reach_the_server_settings():
     args = _parse_args(["serve", "--no-console"])
     assert load_settings(None, {"console": args.console}, environ={}).console is False
     assert load_settings(None, {}, environ={"KVSERVE_CONSOLE": "false"}).console is False
-
-
-def test_the_built_wheel_carries_every_console_file(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(REPO_ROOT)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    (wheel,) = tmp_path.glob("kvserve-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for path in STATIC_DIR.iterdir():
-        assert f"server/console/static/{path.name}" in names

@@ -1,0 +1,25 @@
+"""The built wheel carries what kvserve needs at run time besides Python modules: the console's static files and
+the C++ kernels' sources (built on first use)."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from server.console import STATIC_DIR
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_built_wheel_carries_the_console_and_the_kernel_sources(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(REPO_ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("kvserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = [f"server/console/static/{path.name}" for path in STATIC_DIR.iterdir()]
+    expected += [f"kernels/csrc/{path.name}" for path in (REPO_ROOT / "kernels" / "csrc").iterdir()]
+    assert [name for name in expected if name not in names] == []
+    assert "engine/parallel/worker.py" in names and "server/bench/__init__.py" in names
