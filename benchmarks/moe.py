@@ -19,7 +19,6 @@ and kvserve's ratio to each peer and to the best HF path.
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from benchmarks.offline_throughput import (
     run_kvserve,
     synthetic_corpus,
 )
+from benchmarks.servers import children_cpu_s, machine_busy_s
 from benchmarks.vs_vllm import run_offline as run_vllm_offline
 from engine.default_model import cache_root
 from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
@@ -108,17 +108,6 @@ def run_process(peer: str, model_dir: Path, workload_file: Path, vllm_python: Pa
             raise RuntimeError(f"{peer} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(out_file.read_text())
     return {"tok_s": result["num_tokens"] / result["elapsed_s"], "num_tokens": result["num_tokens"]}
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all processes have run (user, nice, system, irq, softirq) since boot, from /proc/stat."""
-    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def worker_env() -> dict:
