@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from servers import children_cpu_s, free_port, machine_busy_s, process_cpu_s, stop, wait_healthy
+from cpu_usage import children_cpu_s, machine_busy_s, process_cpu_s
+from servers import free_port, stop, wait_healthy
 from vs_vllm import REPO, SERVED_NAME, bench_model_dir, server_command, worker_env
 
 CLIENT_TIMEOUT_S = 600

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check: one command, about 5 minutes from a cold start (every step has its own time limit;
-# they add up to 330 s), on a machine with an NVIDIA GPU and torch, triton, transformers and pytest
-# installed (the server's packages need not be). In order: the Triton and CUDA-graph tests on CUDA,
-# the kernels against their torch references at production shapes, decode step time with and without
-# CUDA graphs (and kernels per step), the kernel bandwidth sweep, and the end-to-end throughput
-# against HF. Logs go to $OUT (or ./gpu_check_out); copy the tables into BENCHMARKS.md.
+# they add up to 330 s, and 60 s more with two GPUs or more), on a machine with an NVIDIA GPU and torch,
+# triton, transformers and pytest installed (the server's packages need not be). In order: the Triton
+# and CUDA-graph tests on CUDA, the kernels against their torch references at production shapes, decode
+# step time with and without CUDA graphs (and kernels per step), the kernel bandwidth sweep, the
+# end-to-end throughput against HF, and with two GPUs or more tensor parallelism at 1 and 2 ranks (NCCL).
+# Logs go to $OUT (or ./gpu_check_out); copy the tables into BENCHMARKS.md.
 #
 #     bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -31,4 +32,11 @@ step kernel_check 40 python3 benchmarks/gpu_kernel_check.py
 step step_bench 70 python3 benchmarks/gpu_step_bench.py
 step kernel_bench 50 python3 benchmarks/gpu_kernel_bench.py --json "$out_dir/kernel_bench.json"
 step engine_bench 80 python3 benchmarks/gpu_engine_bench.py
+# Counted by "GPU n:" lines: nvidia-smi -L also lists each MIG instance, on a line of its own.
+num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+if [ "$num_gpus" -ge 2 ]; then
+    step tensor_parallel 60 python3 benchmarks/tensor_parallel.py --device cuda --quick --rounds 1
+else
+    echo "=== tensor_parallel: skipped (it needs two GPUs; nvidia-smi -L lists $num_gpus)"
+fi
 exit $status

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+from benchmarks.cpu_usage import children_cpu_s, machine_busy_s
 from benchmarks.offline_throughput import (
     make_workload,
     run_hf_continuous,
@@ -37,7 +38,6 @@ from benchmarks.offline_throughput import (
     run_kvserve,
     synthetic_corpus,
 )
-from benchmarks.servers import children_cpu_s, machine_busy_s
 from benchmarks.vs_vllm import run_offline as run_vllm_offline
 from engine.default_model import cache_root
 from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint

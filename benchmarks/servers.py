@@ -1,12 +1,9 @@
 """Starting a server process for a benchmark: a free loopback port, and waiting until it is healthy; and the CPU
 time a process and the whole machine have used, to tell how busy other work kept the machine during a run."""
 
-import os
-import resource
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 
@@ -42,21 +39,3 @@ def stop(process: subprocess.Popen, timeout_s: float = 60) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all processes have run (user, nice, system, irq, softirq) since boot, from /proc/stat."""
-    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    """CPU seconds of this process's children that have ended (and been waited for)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds a running process (all its threads) has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
