@@ -185,7 +185,7 @@ def test_int8_engine_on_the_triton_backend(tiny_checkpoints):
 
 def test_engine_reports_int8_capacity_at_start_up(tiny_checkpoints, caplog):
     budget = 100 * INT8_BLOCK_BYTES + 5
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.kv_sizing"):
         llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_dtype="int8", kv_cache_memory_bytes=budget)
     assert llm.engine.kv_cache.num_blocks == 100
     message = next(record.getMessage() for record in caplog.records if "KV cache" in record.getMessage())

@@ -270,7 +270,8 @@ def test_the_prompt_list_may_hold_max_prompts_prompts(client):
     assert len(response.json()["choices"]) == MAX_PROMPTS
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nothing"), ("POST", "/v1/engines"), ("GET", "/")])
+# (GET / is the console's redirect: tests/test_console.py.)
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nothing"), ("POST", "/v1/engines"), ("GET", "/nothing")])
 def test_an_unknown_route_is_a_404_in_the_same_shape(server, client, method, path):
     assert_refused(server, client, client.request(method, path), 404)
 
