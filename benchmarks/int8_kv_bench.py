@@ -11,6 +11,7 @@
 
     python benchmarks/int8_kv_bench.py            # BENCHMARKS.md's run (about 5 minutes on 2 cores)
     python benchmarks/int8_kv_bench.py --quick    # fewer training steps, a smoke run
+    python benchmarks/int8_kv_bench.py --default-model    # 2. on the built-in default model and its held-out text
 """
 
 import argparse
@@ -26,13 +27,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams
-from engine.default_model import cache_root
+from engine.default_model import cache_root, default_model_dir
 from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 from kernels import AttentionMetadata, PagedKV, paged_attention, quantize_per_token_head
 
 LICENSES = Path("/usr/share/common-licenses")
 HELD_OUT = ("Apache-2.0", "MPL-2.0")
 MODEL_NAME = "bench-license-llama-v1"
+DEFAULT_MODEL_HELD_OUT = Path(__file__).resolve().parents[1] / "tests/data/default_model/held_out_chapters.txt"
 
 
 def license_texts() -> tuple[str, str]:
@@ -111,15 +113,17 @@ def teacher_forced_logits(llm: LLM, sequences: list[list[int]], prompt_len: int)
     return torch.stack(logits, dim=1)  # step t predicts token prompt_len + t
 
 
-def error_report(model_dir: Path, num_seqs: int, length: int, prompt_len: int) -> None:
-    _, held_out = license_texts()
+def error_report(
+    model_dir: Path, held_out: str, num_seqs: int, length: int, prompt_len: int, dtype: str = "float32"
+) -> None:
+    """int8 against the model's own dtype for the cache (`dtype`: the model's, float32 or bfloat16)."""
     ids = AutoTokenizer.from_pretrained(model_dir)(held_out)["input_ids"]
     stride = (len(ids) - length) // num_seqs
     sequences = [ids[i * stride : i * stride + length] for i in range(num_seqs)]
     logits = {}
-    for kind in ("auto", "int8"):  # "auto": the fp32 model's own dtype
-        llm = LLM(str(model_dir), kv_cache_dtype=kind, kv_cache_memory_bytes=64 << 20)
-        logits[kind] = teacher_forced_logits(llm, sequences, prompt_len)
+    for kind in ("auto", "int8"):  # "auto": the model's dtype
+        with LLM(str(model_dir), dtype=dtype, kv_cache_dtype=kind, kv_cache_memory_bytes=64 << 20) as llm:
+            logits[kind] = teacher_forced_logits(llm, sequences, prompt_len).float()
     exact, approx = logits["auto"], logits["int8"]
     targets = torch.tensor(sequences)[:, prompt_len:]
     nll = {
@@ -129,15 +133,15 @@ def error_report(model_dir: Path, num_seqs: int, length: int, prompt_len: int) -
     error = (approx - exact).abs()
     agreement = (approx.argmax(-1) == exact.argmax(-1)).float()
     print(
-        f"\nerror, {num_seqs} held-out sequences x {exact.shape[1]} teacher-forced decode steps"
+        f"\nerror ({dtype} model), {num_seqs} held-out sequences x {exact.shape[1]} teacher-forced decode steps"
         f" = {agreement.numel()} steps"
     )
     print(
-        f"  logit error int8 vs fp32 cache: max {error.max():.4f}, mean {error.mean():.5f}"
+        f"  logit error int8 vs {dtype} cache: max {error.max():.4f}, mean {error.mean():.5f}"
         f" (logit std {exact.std():.2f})"
     )
     print(f"  top-1 agreement: {agreement.mean() * 100:.2f}% ({int(agreement.sum())}/{agreement.numel()})")
-    print(f"  perplexity: fp32 cache {math.exp(nll['auto']):.3f}, int8 cache {math.exp(nll['int8']):.3f}")
+    print(f"  perplexity: {dtype} cache {math.exp(nll['auto']):.3f}, int8 cache {math.exp(nll['int8']):.3f}")
 
 
 def capacity_report(model_dir: Path, budget_bytes: int, num_requests: int) -> None:
@@ -214,14 +218,23 @@ def cpu_speed_report(batch: int, context: int, num_heads: int, num_kv_heads: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few training steps and sequences: a smoke run")
+    parser.add_argument(
+        "--default-model", action="store_true", help="only the error, of the built-in model on its held-out text"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.default_model:
+        held_out = DEFAULT_MODEL_HELD_OUT.read_text()
+        for dtype in ("float32", "bfloat16"):
+            error_report(default_model_dir(), held_out, num_seqs=8, length=192, prompt_len=16, dtype=dtype)
+        return
     if not LICENSES.is_dir():
         sys.exit(f"{LICENSES} is missing: this benchmark trains on the license texts Debian ships there")
     print(f"torch threads {torch.get_num_threads()}")
     model_dir = trained_model_dir(num_steps=20 if args.quick else 200)
     capacity_report(model_dir, budget_bytes=(4 if args.quick else 16) << 20, num_requests=16 if args.quick else 128)
-    error_report(model_dir, num_seqs=2 if args.quick else 8, length=64 if args.quick else 160, prompt_len=16)
+    held_out = license_texts()[1]
+    error_report(model_dir, held_out, num_seqs=2 if args.quick else 8, length=64 if args.quick else 160, prompt_len=16)
     cpu_speed_report(batch=8, context=2048, num_heads=16, num_kv_heads=8, head_dim=128)
 
 

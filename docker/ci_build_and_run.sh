@@ -97,7 +97,7 @@ completion=$(curl -fsS --max-time 120 "http://127.0.0.1:$PORT/v1/completions" -H
 tokens=$(echo "$completion" | python3 -c 'import json, sys; print(json.load(sys.stdin)["usage"]["completion_tokens"])')
 [ "$tokens" = 8 ] || { log "unexpected completion: $completion"; exit 1; }
 metrics=$(curl -fsS --max-time 10 "http://127.0.0.1:$PORT/metrics")
-echo "$metrics" | grep -E '^kvserve:generation_tokens_total\{model_name="kvserve-default-llama-v1"\} 8\.0$' >/dev/null \
+echo "$metrics" | grep -E '^kvserve:generation_tokens_total\{model_name="kvserve-default-kjv-v2"\} 8\.0$' >/dev/null \
     || { log "/metrics did not count the 8 tokens:"; echo "$metrics" | grep '^kvserve:generation' || true; exit 1; }
 
 log "stopping the server; the HEALTHCHECK command must now fail"

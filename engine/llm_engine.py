@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_memory import keep_freed_memory_resident
 from engine.decode_graphs import capture_sizes
-from engine.default_model import RANDOM_WEIGHTS_NOTICE, default_model_dir
+from engine.default_model import DEFAULT_MODEL_NOTICE, default_model_dir
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
 from engine.errors import InvalidRequestError
 from engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
@@ -71,7 +71,7 @@ class LLMEngine:
             keep_freed_memory_resident()
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         if config.model is None:
-            logger.warning(RANDOM_WEIGHTS_NOTICE)
+            logger.info(DEFAULT_MODEL_NOTICE)
         check_checkpoint_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)

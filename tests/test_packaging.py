@@ -1,17 +1,18 @@
-"""The built wheel carries what kvserve needs at run time besides Python modules: the console's static files and
-the C++ kernels' sources (built on first use)."""
+"""The built wheel carries what kvserve needs at run time besides Python modules: the console's static files, the
+default model's checkpoint, and the C++ kernels' sources (built on first use)."""
 
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+from engine.default_model import default_model_dir
 from server.console import STATIC_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_built_wheel_carries_the_console_and_the_kernel_sources(tmp_path):
+def test_the_built_wheel_carries_the_console_the_default_model_and_the_kernel_sources(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
          str(REPO_ROOT)],
@@ -20,6 +21,7 @@ def test_the_built_wheel_carries_the_console_and_the_kernel_sources(tmp_path):
     (wheel,) = tmp_path.glob("kvserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = [f"server/console/static/{path.name}" for path in STATIC_DIR.iterdir()]
+    expected += [f"engine/assets/default_model/{path.name}" for path in default_model_dir().iterdir()]
     expected += [f"kernels/csrc/{path.name}" for path in (REPO_ROOT / "kernels" / "csrc").iterdir()]
     assert [name for name in expected if name not in names] == []
     assert "engine/parallel/worker.py" in names and "server/bench/__init__.py" in names
