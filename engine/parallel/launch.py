@@ -122,7 +122,7 @@ def start_ranks(config: EngineConfig, model_dir: Path, device: torch.device) -> 
         return Ranks(TensorParallelGroup.join(0, size, spec.init_method, device, config.tensor_parallel_timeout_s))
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(size))
-    from engine.parallel.worker import run_worker  # spawned processes import it by name
+    from engine.parallel.worker import run_worker  # worker.py imports this module: a top-level import would cycle
 
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
