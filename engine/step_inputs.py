@@ -136,6 +136,8 @@ class InputBuffers:
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.step_block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.prepared = PreparedCounts()
+        self._token_numbers = torch.arange(max_num_tokens, device=device)
+        self._seq_numbers = torch.arange(max_num_seqs, device=device)
 
     def prepare(self, output: SchedulerOutput, num_padded_seqs: int | None = None) -> StepInputs:
         """The step's inputs; with `num_padded_seqs`, a pure-decode batch padded to that many one-token
@@ -202,7 +204,7 @@ class InputBuffers:
         sequence_lens = self.sequence_lens[:num_seqs] if self.long_rope is not None else None
         positions, slot_mapping = positions_and_slots(
             self.query_start_loc[: num_seqs + 1], self.seq_lens[:num_seqs], block_tables, self.block_size,
-            total_tokens, self.long_rope, sequence_lens,
+            self._token_numbers[:total_tokens], self._seq_numbers[:num_seqs], self.long_rope, sequence_lens,
         )  # fmt: skip
         self.positions[:total_tokens] = positions
         self.slot_mapping[:total_tokens] = slot_mapping
@@ -210,16 +212,15 @@ class InputBuffers:
 
 def positions_and_slots(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-    total_tokens: int, long_rope: tuple[int, int] | None = None, sequence_lens: torch.Tensor | None = None,
+    token_numbers: torch.Tensor, seq_numbers: torch.Tensor, long_rope: tuple[int, int] | None = None,
+    sequence_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Each packed token's position (a row of the rotary tables: LongRoPE's long rows for sequences past the
-    original context) and its cache slot, on the tensors' device."""
-    num_seqs = seq_lens.shape[0]
+    original context) and its cache slot, on the tensors' device. `token_numbers` and `seq_numbers` are
+    arange(num_tokens) and arange(num_seqs): the step path passes views of buffers it allocated once."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    seq_numbers = torch.arange(num_seqs, device=seq_lens.device)
-    seq_index = torch.repeat_interleave(seq_numbers, query_lens, output_size=total_tokens)
+    seq_index = torch.repeat_interleave(seq_numbers, query_lens, output_size=token_numbers.shape[0])
     first_positions = (seq_lens - query_lens)[seq_index]
-    token_numbers = torch.arange(total_tokens, device=seq_lens.device)
     positions = token_numbers - query_start_loc[:-1][seq_index] + first_positions
     block_ids = block_tables[seq_index, positions // block_size].long()
     slot_mapping = block_ids * block_size + positions % block_size

@@ -52,8 +52,10 @@ class StepMessage:
         block_tables = self.block_tables.to(device)
         sequence_lens = self.sequence_lens.to(device) if self.sequence_lens is not None else None
         num_tokens = self.input_ids.numel()
+        token_numbers = torch.arange(num_tokens, device=device)
+        seq_numbers = torch.arange(seq_lens.shape[0], device=device)
         positions, slot_mapping = positions_and_slots(
-            query_start_loc, seq_lens, block_tables, block_size, num_tokens, long_rope, sequence_lens
+            query_start_loc, seq_lens, block_tables, block_size, token_numbers, seq_numbers, long_rope, sequence_lens
         )
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
