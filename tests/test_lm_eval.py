@@ -12,18 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import lm_eval
 import pytest
 import torch
 import yaml
 from lm_eval.models.openai_completions import LocalCompletionsAPI
-from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import LLM, SamplingParams
+from tests.lm_eval_tasks import DATA_DIR, evaluate, local_completions
 from tests.server_harness import TINY_KV_CACHE_BYTES, TINY_MODEL, tiny_server
 
-DATA_DIR = Path(__file__).parent / "data" / "lm_eval"
 MULTIPLE_CHOICE = "kvserve_next_sentence"
 GENERATE_UNTIL = "kvserve_short_answers"
 TASK_FILES = {MULTIPLE_CHOICE: "next_sentence.yaml", GENERATE_UNTIL: "short_answers.yaml"}
@@ -57,22 +55,11 @@ class ScoredChoice:
 
 @pytest.fixture(scope="module")
 def evaluation(tiny_checkpoints, tmp_path_factory) -> Iterator[Evaluation]:
-    task_dir = tmp_path_factory.mktemp("lm_eval_tasks")
-    for file_name in TASK_FILES.values():
-        write_task(file_name, task_dir, dataset_cache_dir=task_dir / "datasets")
     checkpoint = tiny_checkpoints["llama"]
     with tiny_server(tiny_checkpoints) as server:
-        lm = LocalCompletionsAPI(
-            model=TINY_MODEL, base_url=f"{server.base_url}/v1/completions", tokenizer=str(checkpoint),
-            tokenizer_backend="huggingface", tokenized_requests=True, num_concurrent=1, max_retries=1,
-        )  # fmt: skip
+        lm = local_completions(server.base_url, TINY_MODEL, checkpoint)
         sent_prompts = record_sent_prompts(lm)
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=list(TASK_FILES), log_samples=True,
-            task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
-            # Leave the process's random generators as they were: other tests share them.
-            random_seed=None, numpy_random_seed=None, torch_random_seed=None,
-        )  # fmt: skip
+        results = evaluate(lm, TASK_FILES, tmp_path_factory.mktemp("lm_eval_tasks"), log_samples=True)
         yield Evaluation(results, sent_prompts, checkpoint, lm.tokenizer, lm.base_url)
 
 
@@ -80,17 +67,6 @@ def evaluation(tiny_checkpoints, tmp_path_factory) -> Iterator[Evaluation]:
 def offline_llm(evaluation) -> LLM:
     """The offline engine on the checkpoint the server serves."""
     return LLM(str(evaluation.checkpoint), kv_cache_memory_bytes=TINY_KV_CACHE_BYTES)
-
-
-def write_task(file_name: str, task_dir: Path, dataset_cache_dir: Path) -> None:
-    """The task's YAML names its data file relative to DATA_DIR; the copy in `task_dir` names it absolutely
-    (datasets resolves data files against the working directory) and keeps the datasets cache in the test's
-    own folder."""
-    config = yaml.safe_load((DATA_DIR / file_name).read_text())
-    dataset_kwargs = config["dataset_kwargs"]
-    dataset_kwargs["data_files"] = {split: str(DATA_DIR / name) for split, name in dataset_kwargs["data_files"].items()}
-    dataset_kwargs["cache_dir"] = str(dataset_cache_dir)
-    (task_dir / file_name).write_text(yaml.safe_dump(config))
 
 
 def record_sent_prompts(lm: LocalCompletionsAPI) -> dict[str, list[list[int]]]:

@@ -1,0 +1,69 @@
+"""lm-evaluation-harness on the built-in default model through `kvserve serve`: the true next verse of a held-out
+KJV chapter among four (tests/data/lm_eval/kjv_next_verse.yaml, written by benchmarks/train_default_model.py).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_default_model.py [--limit N] [--json out.json]
+
+Starts `kvserve serve` with no model on a loopback port, scores the task with lm-eval's `local-completions` model
+(token-id prompts, as published evals send them), and prints acc, acc_norm and acc_mutual_info with a 95% interval
+beside chance (25%: a model that ignores the context gets exactly one document of each group of four right).
+"""
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.servers import free_port, stop, wait_healthy
+from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from tests.lm_eval_tasks import evaluate, local_completions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TASK, TASK_FILE = "kvserve_kjv_next_verse", "kjv_next_verse.yaml"
+METRICS = ("acc", "acc_norm", "acc_mutual_info")
+CHANCE = 0.25
+
+
+def score(base_url: str, limit: int | None) -> dict:
+    lm = local_completions(base_url, DEFAULT_MODEL_NAME, default_model_dir(), num_concurrent=4)
+    with tempfile.TemporaryDirectory() as task_dir:
+        results = evaluate(lm, {TASK: TASK_FILE}, Path(task_dir), limit=limit)
+    return results["results"][TASK] | {"documents": results["n-samples"][TASK]["effective"]}
+
+
+def wilson_interval(share: float, count: int, z: float = 1.96) -> tuple[float, float]:
+    """95% score interval of a binomial share: sound near 0 and 1 and for a few hundred documents."""
+    centre = (share + z * z / (2 * count)) / (1 + z * z / count)
+    half = z * math.sqrt(share * (1 - share) / count + z * z / (4 * count * count)) / (1 + z * z / count)
+    return centre - half, centre + half
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit", type=int, default=None, help="score the first N documents (default: all)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)], cwd=REPO_ROOT)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, server)
+        scores = score(base_url, args.limit)
+    finally:
+        stop(server)
+    count = scores["documents"]
+    figures = {"task": TASK, "model": DEFAULT_MODEL_NAME, "documents": count, "chance": CHANCE}
+    print(f"{TASK} on {DEFAULT_MODEL_NAME}: {count} documents, chance {CHANCE:.0%}")
+    for metric in METRICS:
+        share = scores[f"{metric},none"]
+        low, high = wilson_interval(share, count)
+        figures[metric] = {"share": share, "interval_95": [low, high]}
+        print(f"  {metric:16s} {share:6.1%}  (95% interval {low:.1%}-{high:.1%})")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
