@@ -14,10 +14,18 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        added = self._tokenizer.get_added_tokens_decoder().items() if skip_special_tokens else ()
+        self._skipped_ids = frozenset(token_id for token_id, token in added if token.special)
+        # Whether text of tokens already pushed may still come (an incomplete character). A skipped special
+        # token adds no text of its own and leaves this as it was.
+        self.holds_text = False
 
     def push(self, token_id: int) -> str:
-        """The text `token_id` adds ('' while a character is incomplete)."""
-        return self._stream.step(self._tokenizer, token_id) or ""
+        """The text `token_id` adds ('' while a character is incomplete, and for a skipped special token)."""
+        text = self._stream.step(self._tokenizer, token_id) or ""
+        if token_id not in self._skipped_ids:
+            self.holds_text = not text
+        return text
 
 
 class StopStringFilter:
@@ -49,6 +57,11 @@ class StopStringFilter:
         num_held = self._num_pending_chars(pending)
         self._held = pending[len(pending) - num_held :]
         return pending[: len(pending) - num_held], False
+
+    @property
+    def holds_text(self) -> bool:
+        """Whether released text stops short of what was pushed (it may begin a stop string)."""
+        return bool(self._held)
 
     def flush(self) -> str:
         """Everything held back: the text ended without a stop string."""

@@ -206,7 +206,7 @@ class LLMEngine:
         return counts
 
     def step(self) -> list[RequestDelta]:
-        """Run one batch; return the delta of every request that released text or finished."""
+        """Run one batch; return the delta of every request that released tokens or finished."""
         if self.runner.inputs.long_rope is not None:
             self._recompute_requests_grown_past_short_rope()
         scheduler_output = self.scheduler.schedule()
@@ -290,7 +290,8 @@ class LLMEngine:
         """Detokenize the new token, finish the request if a stop condition holds, and release what is certain.
 
         A stop token (EOS unless ignored, or one of `stop_token_ids`) stays in `token_ids` but adds no text.
-        None when the step released nothing (text held back for a stop string or an incomplete character).
+        None when the step released nothing (text held back for a stop string or an incomplete character). A
+        token that adds no text while nothing is held back (a skipped special token) is released with empty text.
         """
         request, params = state.request, state.params
         if params.logprobs is not None:
@@ -310,7 +311,9 @@ class LLMEngine:
             return self._finish(state, text, FinishReason.STOP)
         if num_tokens >= params.max_tokens:
             return self._finish(state, text + state.stop_filter.flush(), FinishReason.LENGTH)
-        return state.release(text) if text else None
+        if text or not (state.detokenizer.holds_text or state.stop_filter.holds_text):
+            return state.release(text)
+        return None
 
     def _finish(self, state: _RequestState, text: str, reason: FinishReason) -> RequestDelta:
         self.scheduler.finish(state.request, reason)

@@ -112,9 +112,11 @@ class Generation:
             self.abort()
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Each choice's deltas that carry text, prompt logprobs or a finish reason."""
+        """Each choice's deltas that carry tokens, text, prompt logprobs or a finish reason. A token whose text is
+        empty (a special token skipped in the text) still gets its chunk, as in vLLM: the stream shows when each
+        token was made, its logprobs ride along, and clients time the first token, not the first visible text."""
         async for choice, delta in self.updates():
-            if delta.text or delta.finished or delta.prompt_logprobs is not None:
+            if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs is not None:
                 yield choice, delta
 
     def prompt_token_ids(self, choice: Choice) -> list[int]:

@@ -87,6 +87,25 @@ def test_special_tokens_are_skipped_or_kept_as_asked(tokenizer, skip_special_tok
     assert ("<|eos|>" in streamed) is not skip_special_tokens
 
 
+def test_holds_text_while_a_character_is_incomplete_and_a_special_token_leaves_it_as_it_was(tokenizer):
+    emoji = tokenizer.encode("🎉", add_special_tokens=False)
+    word = tokenizer.encode("ok", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    eos = tokenizer.eos_token_id
+    holds = []
+    for token_id in [*word, eos, emoji[0], eos, *emoji[1:], eos]:
+        detokenizer.push(token_id)
+        holds.append(detokenizer.holds_text)
+    # After "ok" and after its EOS nothing is pending; from the emoji's first byte until its last, something is
+    # (the EOS in between changes nothing); after the last byte and the final EOS, nothing again.
+    assert holds == [False] * (len(word) + 1) + [True, True] + [True] * (len(emoji) - 2) + [False, False]
+
+
+def test_a_kept_special_token_is_text_like_any_other(tokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert detokenizer.push(tokenizer.eos_token_id) == "<|eos|>" and not detokenizer.holds_text
+
+
 def _feed(stop_filter: StopStringFilter, pieces: list[str]) -> tuple[int, str]:
     """Push the pieces one by one: (index of the piece that completed a stop string or -1, all text released)."""
     released = ""
@@ -131,8 +150,10 @@ def test_text_without_any_stop_string_has_no_match():
 def test_text_that_may_begin_a_stop_string_is_held_back_until_it_cannot():
     stop_filter = StopStringFilter(("stop here",))
     assert stop_filter.push("we st", can_stop=True) == ("we ", False)  # "st" may begin it
+    assert stop_filter.holds_text
     assert stop_filter.push("op h", can_stop=True) == ("", False)  # "stop h" still may
     assert stop_filter.push("ollow", can_stop=True) == ("stop hollow", False)  # now it cannot
+    assert not stop_filter.holds_text
     assert stop_filter.push(" stop here", can_stop=True) == (" ", True)
 
 
