@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -161,6 +162,33 @@ def test_a_request_may_fill_the_context_window_exactly(llm):
     (output,) = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(output.token_ids) == 3
     assert output.finish_reason == "length"
+
+
+# Release
+
+
+def test_each_step_releases_a_token_whose_text_is_empty_when_nothing_is_held_back(llm):
+    """A special token skipped in the text adds none, but nothing waits on it: its step releases it, so streams
+    send it when it is made. Text that may begin a stop string is still held back with its tokens."""
+    special = llm.engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias=((special, 100.0),), logprobs=0)
+    released: dict[str, list[RequestDelta]] = {}
+    request_id = llm.engine.add_request(PROMPT, forced)
+    while llm.engine.has_unfinished():
+        _step(llm.engine, released)
+    deltas = released[request_id]
+    assert [(delta.token_ids, delta.text) for delta in deltas] == [([special], "")] * 4
+    assert all(len(delta.logprobs) == 1 for delta in deltas)
+
+    # With a stop string that "x" may begin, the forced "x" tokens wait for text that settles it: the end.
+    x = llm.engine.tokenizer.encode("x", add_special_tokens=False)[0]
+    held = replace(forced, logit_bias=((x, 100.0),), stop=("xxxxxxxxy",), logprobs=None)
+    released = {}
+    request_id = llm.engine.add_request(PROMPT, held)
+    while llm.engine.has_unfinished():
+        _step(llm.engine, released)
+    assert [(delta.token_ids, delta.text) for delta in released[request_id]] == [([x] * 4, "xxxx")]
+    _assert_nothing_left(llm)
 
 
 # Seeds
