@@ -78,16 +78,19 @@ class RequestStream:
         self.loop.call_soon_threadsafe(self.set_error, error)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        """The deltas, merged as they piled up; an error is raised after the deltas that came before it, so a
+        reader slower than the engine still gets every token made before a failed step."""
         while not self.finished:
-            await self._changed.wait()
+            if not self._deltas and self._error is None:
+                await self._changed.wait()
             self._changed.clear()
-            if self._error is not None:
-                self.finished = True
-                raise self._error
             if self._deltas:
                 delta, self._deltas = RequestDelta.merge(self._deltas), []
                 self.finished = delta.finished
                 yield delta
+            elif self._error is not None:
+                self.finished = True
+                raise self._error
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestDelta]]) -> None:

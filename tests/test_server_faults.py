@@ -7,6 +7,7 @@ engine stops and every request gets 503 (`kvserve serve` then exits with status 
 A step that hangs while requests wait turns /health 503 too. Every wait is bounded.
 """
 
+import asyncio
 import json
 import threading
 import time
@@ -14,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from engine import RequestDelta
+from engine.async_engine import RequestStream
 from engine.fault_injection import FaultPlan, FaultyExecute
 from tests.server_harness import (
     TINY_MODEL,
@@ -79,6 +82,21 @@ def test_a_failing_step_answers_500_and_health_is_503_until_a_step_succeeds(frag
     assert health(fragile) == 503
     assert fragile.metric("requests_finished_total", finished_reason="error") == errors_before + 1
     assert_recovered(fragile)
+
+
+def test_a_reader_slower_than_the_engine_gets_the_tokens_made_before_a_failure_then_the_error():
+    async def read_after_both_arrived() -> list:
+        stream = RequestStream(asyncio.get_running_loop())
+        stream.add(RequestDelta("r", [5], "a", None, None))
+        stream.add(RequestDelta("r", [6], "b", None, None))
+        stream.set_error(RuntimeError("step failed"))
+        got = []
+        with pytest.raises(RuntimeError, match="step failed"):
+            async for delta in stream:
+                got.append((delta.token_ids, delta.text))
+        return got
+
+    assert asyncio.run(read_after_both_arrived()) == [([5, 6], "ab")]
 
 
 def test_a_failing_step_ends_a_stream_with_an_error_chunk_then_done(fragile, monkeypatch):
