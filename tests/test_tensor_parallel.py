@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, ranks spawned as processes): the shard plan's arithmetic, and the split
 engine's greedy tokens, logprobs and prompt logprobs equal to HF's (as the unsplit engine's are) on the
 batched, chunked, preempting and prefix-cached paths, for Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norms,
-tied embeddings) and Gemma 2 (soft-capping, sliding windows), at 2 ranks and at 4 (KV heads replicated), and for a
-model with one KV head for 10 query heads and a vocabulary no rank count divides."""
+tied embeddings), Gemma 2 (soft-capping, sliding windows) and the mixture-of-experts families (Mixtral, Qwen2-MoE
+with its shared expert, Qwen3-MoE with a dense layer), at 2 ranks and at 4 (KV heads replicated), and for a model
+with one KV head for 10 query heads and a vocabulary no rank count divides."""
 
 from dataclasses import replace
 
@@ -83,11 +84,32 @@ def test_with_fewer_kv_heads_than_ranks_each_is_replicated_on_the_ranks_that_use
     ({"num_heads": 6, "num_kv_heads": 2, "hidden_size": 96}, 4, "6 attention heads"),
     ({"num_heads": 12, "num_kv_heads": 3, "hidden_size": 192}, 4, "3 KV heads"),
     ({"intermediate_size": 100}, 8, "intermediate size of 100"),
-    ({"moe": MoeConfig(4, 2, 64, True, (0, 1))}, 2, "mixture-of-experts"),
+    ({"moe": MoeConfig(4, 2, 60, True, (0, 1))}, 8, "expert intermediate size of 60"),
+    ({"moe": MoeConfig(4, 2, 64, True, (0, 1), shared_expert_intermediate_size=36)}, 8, "shared expert .* of 36"),
+    # Every layer sparse: the dense intermediate size is never used, so it need not divide.
+    ({"moe": MoeConfig(4, 2, 64, True, (0, 1)), "intermediate_size": 100}, 8, None),
+    ({"moe": MoeConfig(4, 2, 64, True, (1,)), "intermediate_size": 100}, 8, "intermediate size of 100"),
 ])  # fmt: skip
 def test_a_split_that_does_not_divide_the_model_is_refused_naming_what(fields, size, message):
+    if message is None:
+        assert ShardPlan.of(_config(**fields), 0, size).size == size
+        return
     with pytest.raises(TensorParallelError, match=message):
         ShardPlan.of(_config(**fields), 0, size)
+
+
+def test_each_expert_and_the_shared_expert_split_by_their_own_intermediate_size():
+    moe = MoeConfig(4, 2, 32, False, (1,), shared_expert_intermediate_size=48)
+    plan = ShardPlan.of(_config(moe=moe), 1, 2)
+    layer = "model.layers.1.mlp"
+    assert plan.checkpoint_slice(f"{layer}.experts.3.gate_proj.weight") == Slice(0, 16, 16)
+    assert plan.checkpoint_slice(f"{layer}.experts.0.down_proj.weight") == Slice(1, 16, 16)
+    assert plan.checkpoint_slice(f"{layer}.shared_expert.up_proj.weight") == Slice(0, 24, 24)
+    assert plan.checkpoint_slice(f"{layer}.shared_expert.down_proj.weight") == Slice(1, 24, 24)
+    assert plan.checkpoint_slice("model.layers.0.mlp.down_proj.weight") == Slice(1, 64, 64)  # the dense layer
+    # The router and the shared expert's gate are whole on every rank: each routes every token.
+    assert plan.checkpoint_slice(f"{layer}.gate.weight") is None
+    assert plan.checkpoint_slice(f"{layer}.shared_expert_gate.weight") is None
 
 
 # --- The split engine against HF ---------------------------------------------------------------------------------
@@ -158,4 +180,16 @@ def test_gemma_2_split_over_two_ranks_gives_hf_tokens(tokenizer, tmp_path_factor
     config = GEMMA_CONFIGS["gemma2"](len(tokenizer))
     model_dir = write_random_checkpoint(config, tokenizer, tmp_path_factory.mktemp("gemma2-split"), seed=11)
     with LLM(str(model_dir), tensor_parallel_size=2, **SPLIT_PATH) as llm:
+        assert_matches_hf(llm, build_hf_reference(model_dir), "chunked_preempting")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixture_of_experts_split_over_two_ranks_gives_hf_tokens(family, tokenizer, tmp_path_factory):
+    """Every rank routes every token through its half of each expert (and of Qwen2-MoE's shared expert)."""
+    from tests.test_moe_models import MOE_CONFIGS
+
+    config = MOE_CONFIGS[family](len(tokenizer))
+    model_dir = write_random_checkpoint(config, tokenizer, tmp_path_factory.mktemp(f"{family}-split"), seed=11)
+    with LLM(str(model_dir), tensor_parallel_size=2, **SPLIT_PATH) as llm:
+        assert llm.engine.model.plan.expert_intermediate_size == 16
         assert_matches_hf(llm, build_hf_reference(model_dir), "chunked_preempting")

@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, rotary, config.sliding_window(index), plan, group)
         if config.moe is not None and index in config.moe.sparse_layers:
-            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, MLP)
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe, MLP, plan, group)
         else:
             self.mlp = MLP(config.hidden_size, plan.intermediate_size, config.mlp_bias, config.hidden_act, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

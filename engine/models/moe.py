@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from engine.models.layers import Linear
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.sharding import ShardPlan
 from kernels import AttentionBackend
 from kernels.torch_moe import OneDnnExperts
 
@@ -55,13 +57,22 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, hidden_size: int, config: MoeConfig, dense_mlp: type[nn.Module]) -> None:
+    """With a tensor-parallel `group`, every rank routes every token (the router is whole on each) through its
+    slice of each expert's intermediate size (and of the shared expert's): the partial outputs are summed by
+    one all-reduce, as a row-parallel projection's."""
+
+    def __init__(
+        self, hidden_size: int, config: MoeConfig, dense_mlp: type[nn.Module], plan: ShardPlan,
+        group: TensorParallelGroup | None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.config = config
+        self.group = group
         self.gate = Linear(hidden_size, config.num_experts, bias=False)  # the router
-        self.experts = Experts(config.num_experts, hidden_size, config.intermediate_size)
+        self.experts = Experts(config.num_experts, hidden_size, plan.expert_intermediate_size)
         if config.shared_expert_intermediate_size:
-            self.shared_expert = dense_mlp(hidden_size, config.shared_expert_intermediate_size, bias=False)
+            # No all-reduce of its own: its partial output joins the experts' before theirs.
+            self.shared_expert = dense_mlp(hidden_size, plan.shared_expert_intermediate_size, bias=False)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         # Tokens routed to each expert since the engine last read them: counted on the device, read rarely
         # (a read waits for the device), for the expert-load metrics.
@@ -78,8 +89,9 @@ class SparseMoeBlock(nn.Module):
         else:
             out = backend.fused_moe(x, experts.gate_up_weight, experts.down_weight, weights, expert_ids)
         if self.config.shared_expert_intermediate_size:
+            # The sigmoid gate is the same on every rank, so gating each rank's part gates their sum.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, backend)
-        return out
+        return out if self.group is None else self.group.all_reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights (fp32) and expert ids: a softmax over all experts, in fp32 as HF."""

@@ -2,9 +2,10 @@
 
 Attention heads are split across ranks: q/k/v are column-parallel (each rank projects to its own heads) and
 o_proj is row-parallel (each rank's heads' share of the output, summed by one all-reduce). gate/up are
-column-parallel and down_proj row-parallel the same way. The embedding and the LM head are split by
-vocabulary rows, padded to a multiple of the ranks. KV heads are split too; with fewer KV heads than ranks
-each is replicated on the ranks whose query heads use it (8 KV heads at 16 ranks: each on two).
+column-parallel and down_proj row-parallel the same way, in every expert of a mixture-of-experts block too
+(each rank holds a slice of every expert, so routing needs no exchange of tokens). The embedding and the LM
+head are split by vocabulary rows, padded to a multiple of the ranks. KV heads are split too; with fewer KV
+heads than ranks each is replicated on the ranks whose query heads use it (8 KV heads at 16 ranks: each on two).
 """
 
 from dataclasses import dataclass
@@ -52,14 +53,17 @@ class ShardPlan:
         kv_heads = config.num_kv_heads
         if (kv_heads >= size and kv_heads % size) or (kv_heads < size and size % kv_heads):
             problems.append(f"{kv_heads} KV heads (nor do they divide it)")
-        if config.intermediate_size % size:
+        moe = config.moe
+        if (moe is None or len(moe.sparse_layers) < config.num_layers) and config.intermediate_size % size:
             problems.append(f"an intermediate size of {config.intermediate_size}")
+        if moe is not None and moe.intermediate_size % size:
+            problems.append(f"an expert intermediate size of {moe.intermediate_size}")
+        if moe is not None and moe.shared_expert_intermediate_size % size:
+            problems.append(f"a shared expert intermediate size of {moe.shared_expert_intermediate_size}")
         if problems:
             raise TensorParallelError(
                 f"tensor_parallel_size {size} does not divide {' or '.join(problems)} of this model"
             )
-        if config.moe is not None:
-            raise TensorParallelError("tensor parallelism is not implemented for mixture-of-experts models yet")
 
     @property
     def num_heads(self) -> int:
@@ -78,6 +82,14 @@ class ShardPlan:
     @property
     def intermediate_size(self) -> int:
         return self.config.intermediate_size // self.size
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.config.moe.intermediate_size // self.size
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.config.moe.shared_expert_intermediate_size // self.size
 
     @property
     def vocab_rows(self) -> int:
@@ -105,14 +117,25 @@ class ShardPlan:
         if module in ("k_proj", "v_proj"):
             return Slice(0, self.first_kv_head * head_dim, self.num_kv_heads * head_dim)
         if module in ("gate_proj", "up_proj"):
-            return Slice(0, self.rank * self.intermediate_size, self.intermediate_size)
+            size = self._intermediate_size_of(name)
+            return Slice(0, self.rank * size, size)
         if module == "o_proj" and kind == "weight":
             return Slice(1, self.rank * self.num_heads * head_dim, self.num_heads * head_dim)
         if module == "down_proj" and kind == "weight":
-            return Slice(1, self.rank * self.intermediate_size, self.intermediate_size)
+            size = self._intermediate_size_of(name)
+            return Slice(1, self.rank * size, size)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return Slice(0, self.first_vocab_row, self.num_real_vocab_rows)
         return None
+
+    def _intermediate_size_of(self, name: str) -> int:
+        """This rank's share of the MLP that checkpoint tensor `name` belongs to: an expert, the shared expert
+        (Qwen2-MoE) or a dense layer's."""
+        if ".experts." in name:
+            return self.expert_intermediate_size
+        if ".shared_expert." in name:
+            return self.shared_expert_intermediate_size
+        return self.intermediate_size
 
     def zero_on_this_rank(self, name: str) -> bool:
         """Row-parallel biases are added once, to the all-reduce's sum: rank 0 holds them, the others zeros."""
