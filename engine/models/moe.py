@@ -71,7 +71,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden_size, config.num_experts, bias=False)  # the router
         self.experts = Experts(config.num_experts, hidden_size, plan.expert_intermediate_size)
         if config.shared_expert_intermediate_size:
-            # No all-reduce of its own: its partial output joins the experts' before theirs.
+            # No all-reduce of its own: its partial output is added to the experts' and summed with it.
             self.shared_expert = dense_mlp(hidden_size, plan.shared_expert_intermediate_size, bias=False)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         # Tokens routed to each expert since the engine last read them: counted on the device, read rarely
