@@ -3,6 +3,12 @@
 from tokenizers.decoders import DecodeStream
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens: the ones decoding skips with `skip_special_tokens`."""
+    added = tokenizer.backend_tokenizer.get_added_tokens_decoder().items()
+    return frozenset(token_id for token_id, token in added if token.special)
+
+
 class IncrementalDetokenizer:
     """Turns a request's output tokens into text as they arrive, one token at a time.
 
@@ -11,11 +17,11 @@ class IncrementalDetokenizer:
     that complete it arrive: one call into the Rust tokenizer per token, however long the output.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, special_ids: frozenset[int], skip_special_tokens: bool = True) -> None:
+        """`special_ids`: `special_token_ids(tokenizer)`, computed once per tokenizer, not per request."""
         self._tokenizer = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        added = self._tokenizer.get_added_tokens_decoder().items() if skip_special_tokens else ()
-        self._skipped_ids = frozenset(token_id for token_id, token in added if token.special)
+        self._skipped_ids = special_ids if skip_special_tokens else frozenset()
         # Whether text of tokens already pushed may still come (an incomplete character). A skipped special
         # token adds no text of its own and leaves this as it was.
         self.holds_text = False

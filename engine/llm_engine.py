@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.cpu_memory import keep_freed_memory_resident
 from engine.decode_graphs import capture_sizes
 from engine.default_model import DEFAULT_MODEL_NOTICE, default_model_dir
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
 from engine.errors import InvalidRequestError
 from engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
 from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
@@ -75,6 +75,7 @@ class LLMEngine:
         check_checkpoint_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.special_token_ids = special_token_ids(self.tokenizer)
         self.dtype = config.torch_dtype(self.device, checkpoint_dtype(self.model_dir))
         # With tensor parallelism the other ranks start here and build their shards beside this one.
         self.ranks = start_ranks(config, self.model_dir, self.device) if config.tensor_parallel_size > 1 else None
@@ -173,7 +174,7 @@ class LLMEngine:
             request=request,
             params=params,
             sampling_row=sampling_row,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, self.special_token_ids, params.skip_special_tokens),
             stop_filter=StopStringFilter(params.stop),
             prompt_logprobs=[None] if wants_prompt_logprobs else None,
         )

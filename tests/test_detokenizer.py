@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete multi-byte character ends with
 CORPUS = resources.files("engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
@@ -20,7 +20,7 @@ UNSEEN_TEXTS = [
 
 def _stream(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> list[str]:
     """What the detokenizer emits after each token is appended."""
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    detokenizer = IncrementalDetokenizer(tokenizer, special_token_ids(tokenizer), skip_special_tokens)
     return [detokenizer.push(token_id) for token_id in token_ids]
 
 
@@ -90,7 +90,7 @@ def test_special_tokens_are_skipped_or_kept_as_asked(tokenizer, skip_special_tok
 def test_holds_text_while_a_character_is_incomplete_and_a_special_token_leaves_it_as_it_was(tokenizer):
     emoji = tokenizer.encode("🎉", add_special_tokens=False)
     word = tokenizer.encode("ok", add_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    detokenizer = IncrementalDetokenizer(tokenizer, special_token_ids(tokenizer), skip_special_tokens=True)
     eos = tokenizer.eos_token_id
     holds = []
     for token_id in [*word, eos, emoji[0], eos, *emoji[1:], eos]:
@@ -102,7 +102,7 @@ def test_holds_text_while_a_character_is_incomplete_and_a_special_token_leaves_i
 
 
 def test_a_kept_special_token_is_text_like_any_other(tokenizer):
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, special_token_ids(tokenizer), skip_special_tokens=False)
     assert detokenizer.push(tokenizer.eos_token_id) == "<|eos|>" and not detokenizer.holds_text
 
 
