@@ -173,7 +173,7 @@ async def _stream_chunks(
         delta = {"role": "assistant", "content": ""}
         yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": None,
                                               "finish_reason": None}])  # fmt: skip
-    async for choice, delta in generation.deltas():
+    async for choice, delta in generation.updates():
         logprobs = _logprobs(ctx, delta.logprobs).model_dump() if delta.logprobs is not None else None
         content, calls = delta.text, []
         parser = parsers.get(choice.index)

@@ -120,7 +120,7 @@ async def _stream_chunks(
     """The echoed prompt (with its logprobs) comes with each choice's first chunk."""
     object_name = "text_completion"
     text_offsets: dict[int, int] = {}
-    async for choice, delta in generation.deltas():
+    async for choice, delta in generation.updates():
         first = choice.index not in text_offsets
         text = echoes[choice.index // body.n] if first else ""
         offset = text_offsets.get(choice.index, 0) + len(text)

@@ -85,7 +85,11 @@ class Generation:
                 self.engine.abort(self._engine_id(choice.index))
 
     async def updates(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Each choice with its delta every time it has new output, until all are finished; aborts on exit."""
+        """Each choice with its delta every time it has new output, until all are finished; aborts on exit.
+
+        Every delta carries tokens or a finish: a token whose text is empty (a special token skipped in the text)
+        comes in its own step's delta, as in vLLM, so streams send a chunk for it, its logprobs ride along, and
+        clients time the first token, not the first visible text."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice, stream: RequestStream) -> None:
@@ -110,14 +114,6 @@ class Generation:
             for task in tasks:
                 task.cancel()
             self.abort()
-
-    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Each choice's deltas that carry tokens, text, prompt logprobs or a finish reason. A token whose text is
-        empty (a special token skipped in the text) still gets its chunk, as in vLLM: the stream shows when each
-        token was made, its logprobs ride along, and clients time the first token, not the first visible text."""
-        async for choice, delta in self.updates():
-            if delta.token_ids or delta.text or delta.finished or delta.prompt_logprobs is not None:
-                yield choice, delta
 
     def prompt_token_ids(self, choice: Choice) -> list[int]:
         return self._prompts[choice.index // (len(self.choices) // len(self._prompts))]
