@@ -1,5 +1,5 @@
-"""Starting a server process for a benchmark: a free loopback port, and waiting until it is healthy; and the CPU
-time a process and the whole machine have used, to tell how busy other work kept the machine during a run."""
+"""Starting a server process for a benchmark: a free loopback port, waiting until it is healthy, stopping it.
+(The CPU time a process and the machine used is in benchmarks/cpu_usage.py.)"""
 
 import socket
 import subprocess

@@ -14,7 +14,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 class EngineConfig:
     """What the engine runs and with which limits.
 
-    model: a HF checkpoint directory; None means the built-in default model (random weights).
+    model: a HF checkpoint directory; None means the built-in default model (a toy trained on the KJV).
     dtype: "auto" (float32 on CPU, the checkpoint's 16-bit dtype on CUDA), "float32", "bfloat16", "float16".
     kv_cache_dtype: "auto" (K and V in the model's dtype) or "int8" (one fp32 scale per token and head;
         about half the bytes of a 16-bit cache).

@@ -2,7 +2,7 @@
 
 `kvserve serve [MODEL]` runs the OpenAI-compatible server; `kvserve generate [MODEL]` runs an
 offline generation and prints each completion and the throughput. Without MODEL both use the
-built-in default model (random weights). `kvserve bench` load-tests a running server (any
+built-in default model (a toy trained on the KJV). `kvserve bench` load-tests a running server (any
 OpenAI-compatible one); it imports neither the engine nor torch, so it starts at once.
 """
 

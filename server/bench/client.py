@@ -1,7 +1,7 @@
 """The HTTP side of the bench: the model list check before a run, and one streamed request with its timings.
 
 Token counts come from the `usage` chunk the server sends at the end of the stream (`stream_options.include_usage`),
-so they are exact whatever the tokenizer; the times come from when each chunk carrying generated text arrives.
+so they are exact whatever the tokenizer; the times come from when each chunk carrying generated tokens arrives.
 """
 
 import asyncio
