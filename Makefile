@@ -31,7 +31,7 @@ generate: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q
 
 # Constant mixed load against a `kvserve serve` process (10 minutes; SOAK_ARGS="--duration-s 60" for less).
 soak: install

@@ -58,7 +58,8 @@ def workload_args(args: argparse.Namespace, model_dir: Path) -> list[str]:
 
 
 def run_kvserve_bench(url: str, shared: list[str], out_file: Path) -> dict:
-    command = [sys.executable, "-m", "server.cli", "bench", "--base-url", url, *shared, "--json", str(out_file)]
+    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "bench", "--base-url", url, *shared,
+               "--json", str(out_file)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"kvserve bench failed ({done.returncode}):\n{done.stderr[-3000:]}")

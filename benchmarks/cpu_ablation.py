@@ -23,15 +23,13 @@ VARIANTS = ("all", "no-malloc-settings", "unpacked-weights", "torch-backend")
 
 def run_variant(variant: str, model_dir: str, workload: list[dict]) -> float:
     """Output tokens/s of one generate call over the workload, with `variant`'s speed-up off."""
-    import engine.llm_engine
-    import engine.model_loader
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams, llm_engine, model_loader
 
     settings = {"max_num_seqs": len(workload), "kv_cache_memory_bytes": 2 << 30}
     if variant == "no-malloc-settings":
-        engine.llm_engine.keep_freed_memory_resident = lambda: False
+        llm_engine.keep_freed_memory_resident = lambda: False
     elif variant == "unpacked-weights":
-        engine.model_loader.pack_linear_weights = lambda model: False
+        model_loader.pack_linear_weights = lambda model: False
     elif variant == "torch-backend":
         settings["attention_backend"] = "torch"
     llm = LLM(model_dir, **settings)

@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, PagedKV, paged_attention
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.cpu_extension import load_cpu_kernels
+from kvserve.kernels import AttentionMetadata, PagedKV, paged_attention
+from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 
 BATCH, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 4, 64, 16
 

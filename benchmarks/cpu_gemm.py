@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models.layers import PACKING_BATCH_HINT
-from kernels.cpu_extension import load_cpu_kernels
+from kvserve.kernels import onednn as kvserve_onednn
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 
 HIDDEN, INTERMEDIATE, VOCAB = 512, 1536, 16384
 SHAPES = {  # name: (in, out) of the benchmark model's projections
@@ -42,14 +42,14 @@ def median_us(fn, x: torch.Tensor, repeats: int = 30) -> float:
 
 
 def onednn(input, weight):
-    return torch.ops.mkldnn._linear_pointwise(input, weight, None, "none", [], "")
+    return kvserve_onednn.packed_linear(input, weight)
 
 
 def gemm_table(dtype: torch.dtype) -> None:
     print(f"\n{dtype}: F.linear / oneDNN plain weight / oneDNN packed weight, us")
     for name, (size_in, size_out) in SHAPES.items():
         weight = torch.randn(size_out, size_in, dtype=dtype) * 0.05
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
+        packed = kvserve_onednn.pack(weight)
         peers = (partial(F.linear, weight=weight), partial(onednn, weight=weight), partial(onednn, weight=packed))
         for rows in ROWS:
             x = torch.randn(rows, size_in, dtype=dtype)
@@ -63,8 +63,8 @@ def mlp_table() -> None:
 
     gate_up = torch.randn(2 * INTERMEDIATE, HIDDEN) * 0.05
     down = torch.randn(HIDDEN, INTERMEDIATE) * 0.05
-    packed_gate_up = torch.ops.mkldnn._reorder_linear_weight(gate_up, PACKING_BATCH_HINT)
-    packed_down = torch.ops.mkldnn._reorder_linear_weight(down, PACKING_BATCH_HINT)
+    packed_gate_up = kvserve_onednn.pack(gate_up)
+    packed_down = kvserve_onednn.pack(down)
 
     def kvserve_mlp(x):
         activated = torch.empty(x.shape[0], INTERMEDIATE)

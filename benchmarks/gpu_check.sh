@@ -10,7 +10,13 @@
 #     bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# kvserve's code imports as kvserve.<package>. The GPU image cannot install it (no network, no build of it), so a
+# folder of links puts this checkout on the path under that name; the checkout itself is on it for tests.* and
+# benchmarks.*.
+link_dir=$(mktemp -d)
+mkdir "$link_dir/kvserve"
+for package in server engine scheduler kvcache kernels testing; do ln -s "$PWD/$package" "$link_dir/kvserve/$package"; done
+export PYTHONPATH="$link_dir:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out_dir="${OUT:-gpu_check_out}"
 mkdir -p "$out_dir"
 status=0

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_throughput import make_workload, run_hf_continuous
 
-from engine import LLM, SamplingParams
-from engine.default_model import cache_root
-from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.default_model import cache_root
+from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 QWEN3_0_6B_SHAPE = {
     "vocab_size": 151936,

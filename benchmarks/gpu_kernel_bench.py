@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import AttentionMetadata, AttentionShape, PagedKV, select_attention_backend
+from kvserve.kernels import AttentionMetadata, AttentionShape, PagedKV, select_attention_backend
 
 BLOCK_SIZE = 16
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_kernel_bench import paged_batch
 
-from kernels import (
+from kvserve.kernels import (
     AttentionShape,
     PagedKV,
     paged_attention,
@@ -32,7 +32,7 @@ from kernels import (
     torch_layer_ops,
     triton_layer_ops,
 )
-from kernels.triton_store_kv import store_kv as triton_store_kv
+from kvserve.kernels.triton_store_kv import store_kv as triton_store_kv
 
 ATTENTION_BOUND = 2e-2  # bfloat16 outputs against an fp32 reference (the unit tests' bound)
 

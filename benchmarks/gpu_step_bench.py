@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_engine_bench import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, bench_model_dir
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 
 def decoding_engine(model_dir: Path, batch: int, prompt_len: int, eager: bool, device: torch.device) -> LLM:

@@ -58,7 +58,7 @@ import llguidance.hf
 import llguidance.torch as llg_torch
 import xgrammar as xgr
 
-from engine.tiny_checkpoint import EOS_TOKEN, IM_END, train_tokenizer
+from kvserve.testing.tiny_checkpoint import EOS_TOKEN, IM_END, train_tokenizer
 
 BATCH = 64
 SCHEMA = {

@@ -43,7 +43,7 @@ def workload(vocab_size: int, num_requests: int = 96, seed: int = 0) -> list[tup
 
 
 def run_offline(model_dir: Path, requests) -> float:
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), max_num_seqs=CONCURRENCY, kv_cache_memory_bytes=2 << 30)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
@@ -118,8 +118,8 @@ def run_served(model_dir: Path, requests_file: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port), "--served-model-name",
-         "bench", "--max-num-seqs", str(CONCURRENCY), "--kv-cache-memory-bytes", str(2 << 30)],
+        [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port),
+         "--served-model-name", "bench", "--max-num-seqs", str(CONCURRENCY), "--kv-cache-memory-bytes", str(2 << 30)],
         env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

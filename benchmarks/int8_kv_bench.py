@@ -26,10 +26,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams
-from engine.default_model import cache_root, default_model_dir
-from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
-from kernels import AttentionMetadata, PagedKV, paged_attention, quantize_per_token_head
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.default_model import cache_root, default_model_dir
+from kvserve.kernels import AttentionMetadata, PagedKV, paged_attention, quantize_per_token_head
+from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 LICENSES = Path("/usr/share/common-licenses")
 HELD_OUT = ("Apache-2.0", "MPL-2.0")

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.servers import free_port, stop, wait_healthy
-from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from kvserve.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from tests.lm_eval_tasks import evaluate, local_completions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)], cwd=REPO_ROOT)
+    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", "--port", str(port)]
+    server = subprocess.Popen(command, cwd=REPO_ROOT)
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_healthy(base_url, server)

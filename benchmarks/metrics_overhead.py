@@ -13,9 +13,9 @@ import random
 import statistics
 import time
 
-from engine import LLM, SamplingParams
-from engine.stats import StatsTracker
-from server.metrics import ServerMetrics
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.stats import StatsTracker
+from kvserve.server.metrics import ServerMetrics
 
 
 def run(num_requests: int, max_tokens: int) -> dict:

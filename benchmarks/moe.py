@@ -39,8 +39,8 @@ from benchmarks.offline_throughput import (
     synthetic_corpus,
 )
 from benchmarks.vs_vllm import run_offline as run_vllm_offline
-from engine.default_model import cache_root
-from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+from kvserve.engine.default_model import cache_root
+from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench-qwen3-moe-8x768-v1"

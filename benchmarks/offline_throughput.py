@@ -19,11 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from engine import LLM, SamplingParams
-from engine.default_model import cache_root
-from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
-from kvcache import BlockAllocator
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.default_model import cache_root
+from kvserve.kvcache import BlockAllocator
+from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 MODEL_NAME = "bench-qwen3-50m-v1"
 VOCAB_SIZE = 32000

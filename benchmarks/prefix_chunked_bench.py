@@ -19,7 +19,7 @@ import itertools
 
 from offline_throughput import VOCAB_SIZE, benchmark_model_dir
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 KV_BYTES = 2 << 30
 

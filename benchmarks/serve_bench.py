@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import benchmark_model_dir
 from servers import free_port, stop, wait_healthy
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 
 
 @dataclass
@@ -101,7 +101,7 @@ async def run_clients(name, base_url, model, prompts, output_lens, concurrency, 
 
 
 def serve_kvserve(model_dir: Path, port: int, max_num_seqs: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port),
+    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port),
                "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
                "--kv-cache-memory-bytes", str(2 << 30)]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -157,8 +157,8 @@ def wait_idle(base_url: str) -> None:
 def run(args: argparse.Namespace) -> SoakReport:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "server.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
-               "--served-model-name", MODEL_NAME, "--max-num-seqs", str(args.max_num_seqs),
+    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", *([args.model] if args.model else []),
+               "--port", str(port), "--served-model-name", MODEL_NAME, "--max-num-seqs", str(args.max_num_seqs),
                "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]  # fmt: skip
     report = SoakReport(duration_s=args.duration_s, concurrency=args.concurrency)
     with open(args.log, "w") as log:

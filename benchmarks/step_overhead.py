@@ -40,7 +40,7 @@ QWEN3_0_6B = {
 def build(shape: dict, out_dir: Path, architecture: str = "Qwen3ForCausalLM") -> Path:
     from transformers import LlamaConfig, Qwen3Config
 
-    from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+    from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
     tokenizer = train_tokenizer("\n".join(f"a line of text number {i} for the tokenizer" for i in range(300)), 400)
     config_class = Qwen3Config if architecture == "Qwen3ForCausalLM" else LlamaConfig
@@ -93,7 +93,7 @@ def count_ops(fn) -> Counter:
 def decode_ops(model_dir: Path, backend: str) -> None:
     import torch
 
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     extra = {"attention_backend": backend} if backend != "auto" else {}
     llm = LLM(str(model_dir), kv_cache_memory_bytes=256 << 20, max_num_seqs=8, **extra)
@@ -158,7 +158,7 @@ class PhaseTimer:
 def host_overhead(model_dir: Path, num_running: int, num_steps: int = 40) -> tuple[float, dict[str, float]]:
     """Median host ms per step outside the forward, then (over as many more steps, timed part by part,
     which adds a little) the mean ms per step of each engine part."""
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), max_num_seqs=num_running, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30)
     engine = llm.engine
@@ -181,7 +181,7 @@ def host_overhead(model_dir: Path, num_running: int, num_steps: int = 40) -> tup
 
 
 def output_cost_by_length(model_dir: Path, checkpoints=(100, 1000, 4000, 8000)) -> dict[int, float]:
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), kv_cache_memory_bytes=1 << 30)
     engine = llm.engine
@@ -215,7 +215,8 @@ def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, wi
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(repo))
     server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port)], env=env, cwd=repo,
+        [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port)],
+        env=env, cwd=repo,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -246,7 +247,7 @@ def main() -> None:
     parser.add_argument("--backends", default="auto,torch", help="backends for the op count")
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
-    from engine.default_model import default_model_dir
+    from kvserve.engine.default_model import default_model_dir
 
     print(f"measuring {args.repo}")
     with tempfile.TemporaryDirectory() as tmp:

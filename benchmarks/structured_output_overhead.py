@@ -40,10 +40,10 @@ from transformers import Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams
-from engine.default_model import cache_root
-from engine.sampling_params import GrammarSpec
-from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.default_model import cache_root
+from kvserve.engine.sampling_params import GrammarSpec
+from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 MODEL_NAME = "bench-structured-qwen3-4l-32k-v1"
 VOCAB_SIZE = 32000

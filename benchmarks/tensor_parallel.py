@@ -42,9 +42,9 @@ from transformers import Qwen3Config
 
 from benchmarks.cpu_usage import children_cpu_s, machine_busy_s
 from benchmarks.offline_throughput import benchmark_model_dir, make_workload
-from engine import LLM, SamplingParams
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.step_message import StepMessage
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.step_message import StepMessage
 
 REPO = Path(__file__).resolve().parent.parent
 KV_CACHE_BYTES = 2 << 30  # as offline_throughput.py (each rank's budget)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from engine.tiny_checkpoint import IM_END, IM_START, train_tokenizer
+from kvserve.testing.tiny_checkpoint import IM_END, IM_START, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAT_FILE = REPO_ROOT / "benchmarks" / "data" / "default_model_chat.txt"

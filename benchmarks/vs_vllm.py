@@ -45,7 +45,7 @@ SERVE_CLIENT_ARGS = [
 
 def bench_model_dir() -> Path:
     """The issue's Llama: hidden 512, 8 layers, 8 q / 2 kv heads of 64, MLP 1536, 16k vocabulary, random weights."""
-    from engine.default_model import cache_root
+    from kvserve.engine.default_model import cache_root
 
     model_dir = cache_root() / MODEL_NAME
     if (model_dir / "config.json").exists():
@@ -54,7 +54,7 @@ def bench_model_dir() -> Path:
     from offline_throughput import synthetic_corpus
     from transformers import LlamaConfig
 
-    from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+    from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
     tokenizer = train_tokenizer(synthetic_corpus(), 16384)
     config = LlamaConfig(
@@ -80,7 +80,7 @@ def offline_workload(vocab_size: int, num_requests: int, seed: int = 0) -> list[
 
 
 def kvserve_generate(model_dir: str, max_num_seqs: int):
-    from engine import LLM, SamplingParams
+    from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=KV_CACHE_GIB << 30)
 
@@ -185,7 +185,7 @@ def run_offline(engine: str, python: str, model_dir: Path, workload_file: Path, 
 
 def server_command(engine: str, vllm_venv: Path, model_dir: Path, port: int, max_num_seqs: int) -> list[str]:
     if engine == "kvserve":
-        return [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", str(port),
+        return [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port),
                 "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max_num_seqs),
                 "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30)]  # fmt: skip
     return [str(vllm_venv / "bin" / "vllm"), "serve", str(model_dir), "--port", str(port), "--dtype", "float32",

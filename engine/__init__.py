@@ -1,11 +1,11 @@
 """The inference engine: model runner, sampler, detokenizer, LLMEngine and the offline LLM API."""
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestDelta, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.llm import LLM
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprob
+from kvserve.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -26,11 +26,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine.engine_state import EngineState, StatsWindow, take_engine_state
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestDelta
-from engine.sampling_params import GrammarSpec, SamplingParams
-from engine.stats import StatsTracker, StepStats
+from kvserve.engine.engine_state import EngineState, StatsWindow, take_engine_state
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.sampling_params import GrammarSpec, SamplingParams
+from kvserve.engine.stats import StatsTracker, StepStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import check_backend_name
+from kvserve.kernels import check_backend_name
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_DTYPES = ("auto", "int8")

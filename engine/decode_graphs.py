@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.step_inputs import InputBuffers, StepInputs
-from scheduler import SchedulerOutput
+from kvserve.engine.step_inputs import InputBuffers, StepInputs
+from kvserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

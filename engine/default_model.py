@@ -25,4 +25,4 @@ def cache_root() -> Path:
 
 def default_model_dir() -> Path:
     """The shipped checkpoint's directory (inside the installed package)."""
-    return Path(str(resources.files("engine").joinpath("assets", "default_model")))
+    return Path(str(resources.files("kvserve.engine").joinpath("assets", "default_model")))

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
 
-from engine.stats import StepStats
-from kvcache import KVUsage
-from kvcache.block_map import BlockMap, block_ranges, build_block_map
-from scheduler import Request, RequestStatus, Scheduler
+from kvserve.engine.stats import StepStats
+from kvserve.kvcache import KVUsage
+from kvserve.kvcache.block_map import BlockMap, block_ranges, build_block_map
+from kvserve.scheduler import Request, RequestStatus, Scheduler
 
 WINDOW_S = 60  # the live figures cover the last minute, in one-second samples
 RATE_WINDOW_S = 10  # output tokens/s over the last ten seconds: recent, but not one noisy second

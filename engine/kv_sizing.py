@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from engine.model_runner import paged_kv_layers
-from engine.models import DecoderConfig, DecoderForCausalLM
-from engine.parallel.group import TensorParallelGroup
-from kernels import AttentionBackend, AttentionMetadata, AttentionShape, select_attention_backend
-from kvcache import KVCache, KVCacheSpec
+from kvserve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvserve.engine.model_runner import paged_kv_layers
+from kvserve.engine.models import DecoderConfig, DecoderForCausalLM
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.kernels import AttentionBackend, AttentionMetadata, AttentionShape, select_attention_backend
+from kvserve.kvcache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
 

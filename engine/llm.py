@@ -3,10 +3,10 @@
 from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestDelta, RequestOutput
-from engine.sampling_params import SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestDelta, RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
 
 
 class LLM:

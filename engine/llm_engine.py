@@ -7,24 +7,24 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cpu_memory import keep_freed_memory_resident
-from engine.decode_graphs import capture_sizes
-from engine.default_model import DEFAULT_MODEL_NOTICE, default_model_dir
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
-from engine.errors import InvalidRequestError
-from engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
-from engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
-from engine.model_runner import ModelRunner
-from engine.models.moe import SparseMoeBlock
-from engine.outputs import RequestDelta, TokenLogprob
-from engine.parallel.launch import start_ranks
-from engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, prompt_logprobs, sample
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler, TokenMasks
-from engine.tokenizer import eos_token_ids, load_tokenizer
-from kvcache import BlockAllocator, KVUsage
-from scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.cpu_memory import keep_freed_memory_resident
+from kvserve.engine.decode_graphs import capture_sizes
+from kvserve.engine.default_model import DEFAULT_MODEL_NOTICE, default_model_dir
+from kvserve.engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
+from kvserve.engine.model_loader import check_checkpoint_dir, checkpoint_dtype, load_model
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.models.moe import SparseMoeBlock
+from kvserve.engine.outputs import RequestDelta, TokenLogprob
+from kvserve.engine.parallel.launch import start_ranks
+from kvserve.engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, prompt_logprobs, sample
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
+from kvserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from kvserve.kvcache import BlockAllocator, KVUsage
+from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

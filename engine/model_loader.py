@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
-from engine.models.layers import PackedLinear, RMSNorm, pack_linear_weights
-from engine.models.moe import Experts, SparseMoeBlock
-from engine.models.rope import RotaryEmbedding
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
+from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
+from kvserve.engine.models.layers import PackedLinear, RMSNorm, pack_linear_weights
+from kvserve.engine.models.moe import Experts, SparseMoeBlock
+from kvserve.engine.models.rope import RotaryEmbedding
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
 
 # Buffers some checkpoints carry that kvserve recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

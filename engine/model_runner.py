@@ -5,15 +5,15 @@ import time
 
 import torch
 
-from engine.decode_graphs import CudaGraph, DecodeGraphs
-from engine.models import DecoderForCausalLM
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.step_message import StepMessage
-from engine.sampler import to_device
-from engine.step_inputs import InputBuffers, StepInputs
-from kernels import AttentionBackend, PagedKV
-from kvcache import KVCache
-from scheduler import Request, ScheduledRequest, SchedulerOutput
+from kvserve.engine.decode_graphs import CudaGraph, DecodeGraphs
+from kvserve.engine.models import DecoderForCausalLM
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.step_message import StepMessage
+from kvserve.engine.sampler import to_device
+from kvserve.engine.step_inputs import InputBuffers, StepInputs
+from kvserve.kernels import AttentionBackend, PagedKV
+from kvserve.kvcache import KVCache
+from kvserve.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
 def paged_kv_layers(kv_cache: KVCache) -> list[PagedKV]:

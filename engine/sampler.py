@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.structured_output import TokenMasks
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.structured_output import TokenMasks
 
 
 @dataclass(frozen=True)

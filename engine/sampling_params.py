@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.errors import InvalidRequestError
+from kvserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0

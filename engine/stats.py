@@ -8,9 +8,9 @@ per scheduled request, so it costs the loop next to nothing.
 
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestDelta
-from kvcache import KVUsage
-from scheduler import RequestStatus, Scheduler, SchedulerOutput
+from kvserve.engine.outputs import RequestDelta
+from kvserve.kvcache import KVUsage
+from kvserve.scheduler import RequestStatus, Scheduler, SchedulerOutput
 
 # Reasons a request can finish with; "error" is a failed step or a request the engine refused late.
 FINISH_REASONS = ("stop", "length", "abort", "error")

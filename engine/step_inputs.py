@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import AttentionMetadata
-from scheduler import Request, SchedulerOutput
+from kvserve.kernels import AttentionMetadata
+from kvserve.scheduler import Request, SchedulerOutput
 
 
 def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -21,8 +21,8 @@ import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import GrammarSpec
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.sampling_params import GrammarSpec
 
 MAX_CACHED_GRAMMARS = 512
 # One space after "," and ":" and none elsewhere: free whitespace lets a model pad forever.

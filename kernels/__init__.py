@@ -4,8 +4,8 @@ Importing this package does not import triton; `select_attention_backend` does, 
 the Triton backend.
 """
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backend import (
+from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.backend import (
     BACKEND_NAMES,
     AttentionBackend,
     AttentionShape,
@@ -13,8 +13,8 @@ from kernels.backend import (
     check_backend_name,
     select_attention_backend,
 )
-from kernels.paged_kv import PagedKV
-from kernels.torch_paged_attention import paged_attention, quantize_per_token_head, store_kv
+from kvserve.kernels.paged_kv import PagedKV
+from kvserve.kernels.torch_paged_attention import paged_attention, quantize_per_token_head, store_kv
 
 __all__ = [
     "BACKEND_NAMES",

@@ -8,12 +8,12 @@ from typing import Protocol
 
 import torch
 
-from kernels import torch_paged_attention
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.cpu_extension import load_cpu_kernels
-from kernels.paged_kv import PagedKV
-from kernels.torch_layer_ops import TorchLayerOps
+from kvserve.kernels import torch_paged_attention
+from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels.cpu_extension import load_cpu_kernels
+from kvserve.kernels.paged_kv import PagedKV
+from kvserve.kernels.torch_layer_ops import TorchLayerOps
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
@@ -111,6 +111,6 @@ def select_attention_backend(name: str, device: torch.device, shape: AttentionSh
             f"attention_backend 'triton' needs a CUDA device (got {device.type}); on the CPU the Triton "
             "interpreter runs it when TRITON_INTERPRET=1 is set before triton is imported (slow: for tests)"
         )
-    from kernels.triton_backend import TritonAttentionBackend  # imports triton, which CPU-only setups may lack
+    from kvserve.kernels.triton_backend import TritonAttentionBackend  # imports triton, which CPU-only setups may lack
 
     return TritonAttentionBackend.create(shape, device)

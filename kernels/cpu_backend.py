@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import torch_moe, torch_paged_attention
-from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_kv import PagedKV
+from kvserve.kernels import torch_moe, torch_paged_attention
+from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.paged_kv import PagedKV
 
 
 @dataclass(frozen=True)

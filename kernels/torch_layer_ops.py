@@ -5,7 +5,7 @@ tested against these."""
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_moe
+from kvserve.kernels import torch_moe
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Mixture-of-experts expert computation in torch: each token through its top-k experts' SwiGLU MLPs,
 weighted by its routing weights and summed. `fused_moe` is the backends' torch path and the one the Triton
 kernel is tested against; on a CPU the model runs the same `combine_experts` on the experts' weights packed
-for oneDNN at load time (`OneDnnExperts`); `moe_reference` is the plain per-expert loop the tests check them by.
+for oneDNN at load time (`OneDnnExperts`); the plain per-expert loop the tests check them by is
+`kvserve.testing.moe_reference`.
 
 Weights are stacked per expert: `gate_up_weight` [num_experts, 2 * intermediate, hidden] (gate rows
 first, then up, as in `PackedLinear`), `down_weight` [num_experts, hidden, intermediate].
@@ -18,11 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# The rows per expert oneDNN chooses the blocked layout for; any count runs on it (as for the dense layers, 4 to
-# 256 made no difference here at 8 to 1024 tokens).
-PACKING_BATCH_HINT = 64
+from kvserve.kernels import onednn
+
 ExpertMlp = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its input rows) -> its output rows
 
 
@@ -72,25 +70,6 @@ def combine_experts(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-def moe_reference(
-    hidden: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """The same sum as `fused_moe`, one expert at a time over the tokens that picked it (for tests)."""
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for expert in range(gate_up_weight.shape[0]):
-        tokens, slots = torch.where(topk_ids == expert)
-        if tokens.numel() == 0:
-            continue
-        gate, up = F.linear(hidden[tokens], gate_up_weight[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, down_weight[expert])
-        out.index_add_(0, tokens, expert_out.float() * topk_weights[tokens, slots, None].float())
-    return out.to(hidden.dtype)
-
-
 class OneDnnExperts:
     """Each expert's two projections reordered once, at load time, into oneDNN's blocked layout, as the dense
     layers' weights are on a CPU (engine/models/layers.py: float32 `F.linear` is MKL's sgemm, which takes its slow
@@ -98,25 +77,17 @@ class OneDnnExperts:
     benchmarks/moe.py). The copies take as much memory as the weights."""
 
     def __init__(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
-        self.gate_up = [_reorder(weight) for weight in gate_up_weight.detach()]
-        self.down = [_reorder(weight) for weight in down_weight.detach()]
+        self.gate_up = [onednn.pack(weight) for weight in gate_up_weight]
+        self.down = [onednn.pack(weight) for weight in down_weight]
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
-        return ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES
+        return onednn.can_pack(weight)
 
     def fused_moe(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`fused_moe` on the packed weights."""
         return combine_experts(hidden, topk_weights, topk_ids, len(self.gate_up), self._expert_mlp)
 
     def _expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear_packed(rows, self.gate_up[expert]).chunk(2, dim=-1)
-        return _linear_packed(F.silu(gate) * up, self.down[expert])
-
-
-def _linear_packed(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
-
-
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
+        gate, up = onednn.packed_linear(rows, self.gate_up[expert]).chunk(2, dim=-1)
+        return onednn.packed_linear(F.silu(gate) * up, self.down[expert])

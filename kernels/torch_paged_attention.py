@@ -21,8 +21,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_kv import INT8_MAX, PagedKV
+from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.paged_kv import INT8_MAX, PagedKV
 
 
 def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

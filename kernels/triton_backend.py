@@ -6,13 +6,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels import triton_layer_ops, triton_moe
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backend import AttentionShape
-from kernels.paged_kv import PagedKV
-from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
-from kernels.triton_extend_attention import paged_extend_attention
-from kernels.triton_store_kv import store_kv
+from kvserve.kernels import triton_layer_ops, triton_moe
+from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.backend import AttentionShape
+from kvserve.kernels.paged_kv import PagedKV
+from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
+from kvserve.kernels.triton_extend_attention import paged_extend_attention
+from kvserve.kernels.triton_store_kv import store_kv
 
 # Split-KV launch settings: starting points, not yet measured on a GPU (benchmarks/gpu_check.sh is
 # where to tune them). Shorter segments add partial-result traffic and merge work for little gain.

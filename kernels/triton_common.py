@@ -6,7 +6,7 @@ import os
 import torch
 import triton
 
-from kernels.paged_kv import PagedKV
+from kvserve.kernels.paged_kv import PagedKV
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_kv import PagedKV
-from kernels.triton_common import attention_options, dot_in_fp32, dot_precision, padded, scale_args
-from kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
+from kvserve.kernels.paged_kv import PagedKV
+from kvserve.kernels.triton_common import attention_options, dot_in_fp32, dot_precision, padded, scale_args
+from kvserve.kernels.triton_paged_tiles import load_kv_tiles, online_softmax_step
 
 
 @triton.jit(do_not_specialize=["first_seq"])  # it changes every step: one compiled variant for all

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_in_fp32, dot_precision, padded
+from kvserve.kernels.triton_common import dot_in_fp32, dot_precision, padded
 
 # Starting points, not yet measured on a GPU (benchmarks/gpu_check.sh is where to tune them).
 MAX_BLOCK_M = 64

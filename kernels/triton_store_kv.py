@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_kv import INT8_MAX, PagedKV
-from kernels.triton_common import padded, scale_args
+from kvserve.kernels.paged_kv import INT8_MAX, PagedKV
+from kvserve.kernels.triton_common import padded, scale_args
 
 
 @triton.jit

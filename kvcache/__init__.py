@@ -1,8 +1,8 @@
 """Paged KV cache: block allocation, per-request block tables, cache tensors and their sizing."""
 
-from kvcache.block_allocator import BlockAllocator, BlockKey, DoubleFreeError, KVCacheError, OutOfBlocksError
-from kvcache.cache_tensors import KVCache, KVCacheSpec
-from kvcache.usage import KVUsage
+from kvserve.kvcache.block_allocator import BlockAllocator, BlockKey, DoubleFreeError, KVCacheError, OutOfBlocksError
+from kvserve.kvcache.cache_tensors import KVCache, KVCacheSpec
+from kvserve.kvcache.usage import KVUsage
 
 __all__ = [
     "BlockAllocator",

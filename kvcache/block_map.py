@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcache.block_allocator import BlockAllocator
+from kvserve.kvcache.block_allocator import BlockAllocator
 
 # One run of equal bytes; DOTALL so that byte 10 ("\n") matches too.
 _RUN = re.compile(rb"(.)\1*", re.DOTALL)

@@ -1,9 +1,9 @@
 """Continuous-batching scheduler: request state, admission, preemption, per-step output."""
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.scheduler import Scheduler
-from scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.request import FinishReason, Request, RequestStatus
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 
 __all__ = [
     "FinishReason",

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from kvcache import BlockKey
+from kvserve.kvcache import BlockKey
 
 
 class RequestStatus(enum.Enum):

@@ -9,10 +9,10 @@ admitted request is preempted (its blocks freed, put back at the front of the qu
 
 from collections import deque
 
-from kvcache import BlockAllocator, BlockKey, KVUsage
-from scheduler.config import SchedulerConfig
-from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.request import FinishReason, Request, RequestStatus
+from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from scheduler.request import Request
+from kvserve.scheduler.request import Request
 
 
 @dataclass(slots=True)  # not frozen: one per request per step, and a frozen init is 4x slower

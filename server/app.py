@@ -10,14 +10,14 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.chat import create_chat_completion, render_chat_prompt
-from server.completions import create_completion
-from server.console import ConsoleFiles
-from server.context import ServerContext
-from server.errors import HANDLED_ERRORS, APIError, handle_exception
-from server.metrics import CountHTTPRequests
-from server.openapi_docs import TEXT, document_streams, error_responses, generation_responses
-from server.protocol import (
+from kvserve.server.chat import create_chat_completion, render_chat_prompt
+from kvserve.server.completions import create_completion
+from kvserve.server.console import ConsoleFiles
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import HANDLED_ERRORS, APIError, handle_exception
+from kvserve.server.metrics import CountHTTPRequests
+from kvserve.server.openapi_docs import TEXT, document_streams, error_responses, generation_responses
+from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -33,7 +33,7 @@ from server.protocol import (
     VersionResponse,
     now_s,
 )
-from server.request_limits import BodySizeLimit, HeaderLimits
+from kvserve.server.request_limits import BodySizeLimit, HeaderLimits
 
 
 def kvserve_version() -> str:

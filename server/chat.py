@@ -7,13 +7,13 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import TokenLogprob
-from engine.sampling_params import MAX_LOGPROBS
-from server.context import ServerContext
-from server.errors import bad_request
-from server.generation import Choice, Generation, sse_stream
-from server.logprobs import vllm_prompt_logprobs
-from server.protocol import (
+from kvserve.engine import TokenLogprob
+from kvserve.engine.sampling_params import MAX_LOGPROBS
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import bad_request
+from kvserve.server.generation import Choice, Generation, sse_stream
+from kvserve.server.logprobs import vllm_prompt_logprobs
+from kvserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,10 +26,10 @@ from server.protocol import (
     TopLogprob,
     random_id,
 )
-from server.structured_outputs import compile_grammar, compiled_grammar
-from server.supported_fields import check_chat_fields
-from server.tool_calling import ToolPlan, plan_tools
-from server.tool_parsers import ParsedOutput, ToolCallDelta
+from kvserve.server.structured_outputs import compile_grammar, compiled_grammar
+from kvserve.server.supported_fields import check_chat_fields
+from kvserve.server.tool_calling import ToolPlan, plan_tools
+from kvserve.server.tool_parsers import ParsedOutput, ToolCallDelta
 
 
 def render_chat_prompt(

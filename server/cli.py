@@ -13,7 +13,7 @@ import time
 import types
 import typing
 
-from server.bench import cli as bench_cli
+from kvserve.server.bench import cli as bench_cli
 
 DEMO_PROMPTS = [
     "Once upon a time there was a small town by a river.",
@@ -26,16 +26,16 @@ DEMO_PROMPTS = [
 def _model_errors() -> tuple[type[Exception], ...]:
     """A checkpoint kvserve cannot load (or split over the ranks asked for): one line on stderr and exit status 2,
     as for bad settings, not a traceback."""
-    from engine.model_loader import CheckpointError
-    from engine.models import UnsupportedModelError
-    from engine.parallel.sharding import TensorParallelError
+    from kvserve.engine.model_loader import CheckpointError
+    from kvserve.engine.models import UnsupportedModelError
+    from kvserve.engine.parallel.sharding import TensorParallelError
 
     return CheckpointError, UnsupportedModelError, TensorParallelError
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ServerSettings field (--max-num-seqs for max_num_seqs); unset flags override nothing."""
-    from server.settings import ServerSettings  # imports the engine (torch): only for `serve`
+    from kvserve.server.settings import ServerSettings  # imports the engine (torch): only for `serve`
 
     for name, field in ServerSettings.model_fields.items():
         if name == "model":
@@ -82,8 +82,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.serve import serve  # imports uvicorn and FastAPI only when serving
-    from server.settings import ServerSettings, SettingsError, load_settings
+    from kvserve.server.serve import serve  # imports uvicorn and FastAPI only when serving
+    from kvserve.server.settings import ServerSettings, SettingsError, load_settings
 
     overrides = {name: getattr(args, name) for name in ServerSettings.model_fields if hasattr(args, name)}
     try:
@@ -99,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, InvalidRequestError, SamplingParams
+    from kvserve.engine import LLM, InvalidRequestError, SamplingParams
 
     try:
         llm = LLM(

@@ -5,12 +5,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import TokenLogprob
-from server.context import ServerContext
-from server.errors import bad_request
-from server.generation import Choice, Generation, sse_stream
-from server.logprobs import vllm_prompt_logprobs
-from server.protocol import (
+from kvserve.engine import TokenLogprob
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import bad_request
+from kvserve.server.generation import Choice, Generation, sse_stream
+from kvserve.server.logprobs import vllm_prompt_logprobs
+from kvserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -18,8 +18,8 @@ from server.protocol import (
     Usage,
     random_id,
 )
-from server.structured_outputs import compiled_grammar
-from server.supported_fields import check_completion_fields
+from kvserve.server.structured_outputs import compiled_grammar
+from kvserve.server.supported_fields import check_completion_fields
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):

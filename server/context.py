@@ -2,13 +2,13 @@
 
 from dataclasses import dataclass
 
-from engine import SamplingParams
-from engine.async_engine import AsyncLLMEngine
-from engine.sampling_params import GrammarSpec
-from server.errors import APIError, bad_request
-from server.metrics import ServerMetrics
-from server.protocol import SamplingFields
-from server.settings import ServerSettings
+from kvserve.engine import SamplingParams
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.sampling_params import GrammarSpec
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import SamplingFields
+from kvserve.server.settings import ServerSettings
 
 
 @dataclass

@@ -8,8 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import InvalidRequestError
-from engine.async_engine import EngineOverloadedError, EngineStepError, EngineUnavailableError
+from kvserve.engine import InvalidRequestError
+from kvserve.engine.async_engine import EngineOverloadedError, EngineStepError, EngineUnavailableError
 
 RETRY_AFTER_S = 1
 logger = logging.getLogger(__name__)

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
-from engine import RequestDelta, SamplingParams, TokenLogprob
-from engine.async_engine import AsyncLLMEngine, RequestStream
-from server.errors import APIError, to_api_error
-from server.protocol import Usage, now_s
+from kvserve.engine import RequestDelta, SamplingParams, TokenLogprob
+from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.server.errors import APIError, to_api_error
+from kvserve.server.protocol import Usage, now_s
 
 DISCONNECT_POLL_S = 0.25
 

@@ -1,8 +1,8 @@
 """vLLM's `prompt_logprobs` response extra, shared by completions and chat."""
 
-from engine import TokenLogprob
-from server.context import ServerContext
-from server.protocol import PromptLogprob
+from kvserve.engine import TokenLogprob
+from kvserve.server.context import ServerContext
+from kvserve.server.protocol import PromptLogprob
 
 
 def vllm_prompt_logprobs(

@@ -17,8 +17,8 @@ from prometheus_client import (
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.stats import FINISH_REASONS, StepStats
-from server.bulk_histogram import BulkHistogram, BulkHistogramCollector
+from kvserve.engine.stats import FINISH_REASONS, StepStats
+from kvserve.server.bulk_histogram import BulkHistogram, BulkHistogramCollector
 
 PREFIX = "kvserve:"
 REJECT_REASONS = ("overload", "validation")

@@ -8,7 +8,7 @@ tests hold the server to this document.
 from fastapi import FastAPI
 from pydantic.json_schema import models_json_schema
 
-from server.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from kvserve.server.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 TEXT = {"type": "string"}

@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.engine_state import EngineState
-from kvcache.block_map import STATE_NAMES, BlockState, encode_states
+from kvserve.engine.engine_state import EngineState
+from kvserve.kvcache.block_map import STATE_NAMES, BlockState, encode_states
 
 
 def random_id(prefix: str) -> str:

@@ -7,7 +7,7 @@ takes up to 256 KiB, so heads up to that size may reach these limits instead).
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError
+from kvserve.server.errors import APIError
 
 MAX_HEADERS = 100  # as Apache's LimitRequestFields
 MAX_HEADER_FIELD_BYTES = 8 * 1024  # one name plus value, as Apache's LimitRequestFieldSize

@@ -1,21 +1,22 @@
 """`kvserve serve`: build the engine and the app, run uvicorn, drain on SIGTERM, stop if the engine fails."""
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
-from engine import LLMEngine, fault_injection
-from engine.async_engine import AsyncLLMEngine
-from engine.default_model import DEFAULT_MODEL_NAME
-from engine.parallel.launch import launched_rank
-from engine.parallel.worker import run_launched_worker
-from server.app import create_app
-from server.context import ServerContext
-from server.metrics import ServerMetrics
-from server.settings import ServerSettings
+from kvserve.engine import LLMEngine
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.default_model import DEFAULT_MODEL_NAME
+from kvserve.engine.parallel.launch import launched_rank
+from kvserve.engine.parallel.worker import run_launched_worker
+from kvserve.server.app import create_app
+from kvserve.server.context import ServerContext
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.1
@@ -46,10 +47,10 @@ def build_context(settings: ServerSettings) -> ServerContext:
 
 def _make_engine(settings: ServerSettings) -> LLMEngine:
     engine = LLMEngine(settings.engine_config())
-    plan = fault_injection.plan_from_env()
-    if plan is not None:
-        logger.warning("TEST ONLY: %s=%s makes model steps fail", fault_injection.ENV_VAR, plan)
-        fault_injection.inject(engine, plan)
+    if os.environ.get("KVSERVE_FAULT_INJECTION"):  # tests only: the serving path never imports kvserve.testing
+        from kvserve.testing import fault_injection
+
+        fault_injection.inject_from_env(engine)
     return engine
 
 

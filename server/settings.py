@@ -12,7 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from engine import EngineConfig
+from kvserve.engine import EngineConfig
 
 ENV_PREFIX = "KVSERVE_"
 

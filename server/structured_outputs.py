@@ -3,11 +3,11 @@
 
 import json
 
-from engine import InvalidRequestError
-from engine.sampling_params import GrammarSpec
-from server.context import ServerContext
-from server.errors import bad_request
-from server.protocol import SamplingFields
+from kvserve.engine import InvalidRequestError
+from kvserve.engine.sampling_params import GrammarSpec
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import SamplingFields
 
 
 async def compiled_grammar(ctx: ServerContext, body: SamplingFields) -> GrammarSpec | None:

@@ -4,8 +4,8 @@ Fields are refused only when set to something that would change the answer: `sto
 `service_tier: "auto"` or `modalities: ["text"]` ask for what kvserve does anyway.
 """
 
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 _REFUSED_CHAT_FIELDS = {
     "audio": "audio output is not supported: this model is text-only",

@@ -12,10 +12,10 @@ calls back out of the output.
 import json
 from dataclasses import dataclass
 
-from engine.sampling_params import GrammarSpec
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ToolDefinition
-from server.tool_parsers import (
+from kvserve.engine.sampling_params import GrammarSpec
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatCompletionRequest, ToolDefinition
+from kvserve.server.tool_parsers import (
     ParsedOutput,
     StreamingToolCallParser,
     ToolCall,

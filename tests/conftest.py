@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from engine.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 # Wide weights spread the logits, so greedy argmax is not decided by float rounding.
 _COMMON = {
@@ -78,7 +78,7 @@ TINY_CONFIGS = {
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    corpus = resources.files("engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
+    corpus = resources.files("kvserve.engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
     return train_tokenizer(corpus, vocab_size=512)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, PagedKV, paged_attention, store_kv
+from kvserve.kernels import AttentionMetadata, PagedKV, paged_attention, store_kv
 
 HEAD_DIM = 16
 BLOCK_SIZE = 4

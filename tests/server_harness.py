@@ -14,10 +14,10 @@ from pathlib import Path
 
 import uvicorn
 
-from server.context import ServerContext
-from server.metrics import PREFIX
-from server.serve import build_context, uvicorn_config
-from server.settings import ServerSettings
+from kvserve.server.context import ServerContext
+from kvserve.server.metrics import PREFIX
+from kvserve.server.serve import build_context, uvicorn_config
+from kvserve.server.settings import ServerSettings
 
 STARTUP_TIMEOUT_S = 60
 TINY_MODEL = "tiny-llama"

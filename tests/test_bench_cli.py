@@ -13,16 +13,16 @@ import httpx
 import numpy as np
 import pytest
 
-from server.bench.arrivals import arrival_times_s
-from server.bench.kv_scraper import parse_kv_usage
-from server.bench.summary import percentile
+from kvserve.server.bench.arrivals import arrival_times_s
+from kvserve.server.bench.kv_scraper import parse_kv_usage
+from kvserve.server.bench.summary import percentile
 from tests.server_harness import TINY_MODEL, slow_down_steps, tiny_server
 
 BENCH_TIMEOUT_S = 120
 
 
 def bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "server.cli", "bench", *args]
+    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "bench", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S, env=env)
 
 
@@ -137,7 +137,7 @@ def test_a_missing_api_key_is_the_401_message_and_the_env_key_is_used(tiny_check
 
 
 def test_the_bench_imports_neither_the_engine_nor_torch():
-    code = "import sys, server.cli\nassert not {'torch', 'engine'} & set(sys.modules), 'imported'\n"
+    code = "import sys, kvserve.server.cli\nassert not {'torch', 'kvserve.engine'} & set(sys.modules), 'imported'\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcache import BlockAllocator, DoubleFreeError, KVCacheError, OutOfBlocksError
+from kvserve.kvcache import BlockAllocator, DoubleFreeError, KVCacheError, OutOfBlocksError
 
 
 def snapshot(allocator: BlockAllocator) -> tuple[int, list[int]]:

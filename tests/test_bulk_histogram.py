@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from server.bulk_histogram import BulkHistogram, BulkHistogramCollector
+from kvserve.server.bulk_histogram import BulkHistogram, BulkHistogramCollector
 
 BUCKETS = [0.01, 0.1, 1.0, 10.0]
 VALUES = [0.0, 0.01, 0.010001, 0.5, 1.0, 1.0, 3.0, 10.0, 11.0, 1e9]  # on, just past and between the bounds

@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import BlockAllocator
-from scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
+from kvserve.kvcache import BlockAllocator
+from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig
 from tests.test_scheduler import add_request, scheduled_tokens, step
 
 

@@ -6,7 +6,7 @@ import re
 import httpx
 import pytest
 
-from server.console import SECURITY_HEADERS, STATIC_DIR
+from kvserve.server.console import SECURITY_HEADERS, STATIC_DIR
 from tests.server_harness import tiny_server
 
 API_KEY = "console-key"
@@ -75,8 +75,8 @@ def test_no_console_serves_no_pages_and_the_api_as_before(tiny_checkpoints):
 
 
 def test_the_no_console_flag_and_setting_reach_the_server_settings():
-    from server.cli import _parse_args
-    from server.settings import ServerSettings, load_settings
+    from kvserve.server.cli import _parse_args
+    from kvserve.server.settings import ServerSettings, load_settings
 
     assert ServerSettings().console is True
     args = _parse_args(["serve", "--no-console"])

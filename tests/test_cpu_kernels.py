@@ -8,9 +8,9 @@ into an output poisoned with NaN, as the Triton tests do.
 import pytest
 import torch
 
-from kernels import AttentionShape, paged_attention, select_attention_backend, torch_layer_ops
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.cpu_extension import load_cpu_kernels
+from kvserve.kernels import AttentionShape, paged_attention, select_attention_backend, torch_layer_ops
+from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 from tests.paged_batches import (
     BLOCK_SIZE,
     GQA_SHAPES,

@@ -14,9 +14,9 @@ import pytest
 from openai import OpenAI
 from safetensors import safe_open
 
-from engine import LLM, SamplingParams
-from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
-from engine.tokenizer import load_tokenizer
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from kvserve.engine.tokenizer import load_tokenizer
 from tests.lm_eval_tasks import DATA_DIR, evaluate, local_completions
 from tests.server_harness import running_server
 
@@ -79,7 +79,8 @@ def test_held_out_perplexity_is_what_training_reached():
 
 def test_kvserve_generate_runs_on_it_and_says_what_it_is(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--prompt", "In the beginning", "--max-tokens", "8"],
+        [sys.executable, "-P", "-m", "kvserve.server.cli", "generate", "--prompt", "In the beginning",
+         "--max-tokens", "8"],
         env={**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

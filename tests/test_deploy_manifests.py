@@ -21,8 +21,8 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from engine.parallel.launch import launched_rank, launched_spec
-from server.settings import ENV_PREFIX, ServerSettings, load_settings
+from kvserve.engine.parallel.launch import launched_rank, launched_spec
+from kvserve.server.settings import ENV_PREFIX, ServerSettings, load_settings
 
 ROOT = Path(__file__).parent.parent
 MANIFESTS = ROOT / "deploy" / "kubernetes"

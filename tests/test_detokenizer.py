@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
+from kvserve.engine.detokenizer import IncrementalDetokenizer, StopStringFilter, special_token_ids
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete multi-byte character ends with
-CORPUS = resources.files("engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
+CORPUS = resources.files("kvserve.engine").joinpath("assets/corpus.txt").read_text(encoding="utf-8")
 # Beyond the corpus: characters the tokenizer never merged, so each is split into single-byte tokens.
 UNSEEN_TEXTS = [
     "日本語のテキスト 🎉🎉 Ωμέγα ñandú 𝄞𓀀",

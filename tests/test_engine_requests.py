@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine import LLM, InvalidRequestError, RequestDelta, SamplingParams
+from kvserve.engine import LLM, InvalidRequestError, RequestDelta, SamplingParams
 
 PROMPT = "Once upon a time there was a small town"
 MAX_MODEL_LEN = 512  # max_position_embeddings of the tiny configs

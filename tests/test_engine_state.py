@@ -9,15 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import async_engine as async_engine_module
-from engine.engine_state import WINDOW_S, StatsWindow, take_engine_state
-from engine.fault_injection import FaultPlan, FaultyExecute
-from engine.stats import StepStats
-from kvcache import BlockAllocator, BlockKey, KVUsage
-from kvcache.block_map import BlockState, block_ranges, build_block_map, encode_states, run_lengths
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from server.protocol import EngineStateResponse
+from kvserve.engine import EngineConfig, LLMEngine, SamplingParams
+from kvserve.engine import async_engine as async_engine_module
+from kvserve.engine.engine_state import WINDOW_S, StatsWindow, take_engine_state
+from kvserve.engine.stats import StepStats
+from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage
+from kvserve.kvcache.block_map import BlockState, block_ranges, build_block_map, encode_states, run_lengths
+from kvserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from kvserve.server.protocol import EngineStateResponse
+from kvserve.testing.fault_injection import FaultPlan, FaultyExecute
 from tests.server_harness import TINY_MODEL, assert_openai_error, slow_down_steps, tiny_server, wait_for
 
 BLOCK_SIZE = 16

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.outputs import RequestOutput
-from engine.stats import StatsTracker, StepStats
-from kvcache import BlockAllocator
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.stats import StatsTracker, StepStats
+from kvserve.kvcache import BlockAllocator
+from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 

@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from engine.fault_injection import FaultPlan, FaultyExecute
+from kvserve.testing.fault_injection import FaultPlan, FaultyExecute
 from tests.server_harness import assert_nothing_allocated, tiny_server
 
 FUZZ_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "50"))

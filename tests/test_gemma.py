@@ -9,8 +9,8 @@ import openai
 import pytest
 from transformers import Gemma2Config, Gemma3TextConfig
 
-from engine import LLM, SamplingParams
-from engine.tiny_checkpoint import write_random_checkpoint
+from kvserve.engine import LLM, SamplingParams
+from kvserve.testing.tiny_checkpoint import write_random_checkpoint
 from tests.server_harness import running_server
 from tests.test_parity import (
     SCHEDULING_PATHS,

@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from kernels import (
+from kvserve.engine import LLM, EngineConfig, SamplingParams
+from kvserve.kernels import (
     AttentionShape,
     PagedKV,
     paged_attention,
@@ -15,8 +15,8 @@ from kernels import (
     select_attention_backend,
     store_kv,
 )
-from kernels.triton_store_kv import store_kv as triton_store_kv
-from kvcache import KVCacheSpec
+from kvserve.kernels.triton_store_kv import store_kv as triton_store_kv
+from kvserve.kvcache import KVCacheSpec
 from tests.paged_batches import HEAD_DIM, empty_cache, make_batch, on_device, reference_store
 from tests.test_triton_kernels import DEVICE
 
@@ -185,7 +185,7 @@ def test_int8_engine_on_the_triton_backend(tiny_checkpoints):
 
 def test_engine_reports_int8_capacity_at_start_up(tiny_checkpoints, caplog):
     budget = 100 * INT8_BLOCK_BYTES + 5
-    with caplog.at_level(logging.INFO, logger="engine.kv_sizing"):
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.kv_sizing"):
         llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_dtype="int8", kv_cache_memory_bytes=budget)
     assert llm.engine.kv_cache.num_blocks == 100
     message = next(record.getMessage() for record in caplog.records if "KV cache" in record.getMessage())

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvcache import KVCacheSpec, KVUsage
+from kvserve.kvcache import KVCacheSpec, KVUsage
 
 
 def test_usage_figures_follow_blocks_and_live_tokens():

@@ -18,7 +18,7 @@ import yaml
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 from tests.lm_eval_tasks import DATA_DIR, evaluate, local_completions
 from tests.server_harness import TINY_KV_CACHE_BYTES, TINY_MODEL, tiny_server
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.sampler import LogitBias, SamplingRow, sample
+from kvserve.engine import LLM, InvalidRequestError, SamplingParams
+from kvserve.engine.sampler import LogitBias, SamplingRow, sample
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, MistralConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model_loader import CheckpointError, checkpoint_destinations, load_model
-from engine.models import UnsupportedModelError, decoder_config_from_hf
-from engine.models.rope import RopeConfig, UnsupportedRopeError, inverse_frequencies
+from kvserve.engine.model_loader import CheckpointError, checkpoint_destinations, load_model
+from kvserve.engine.models import UnsupportedModelError, decoder_config_from_hf
+from kvserve.engine.models.rope import RopeConfig, UnsupportedRopeError, inverse_frequencies
 
 ROPE_CASES = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
@@ -130,3 +130,19 @@ def test_no_safetensors_is_a_checkpoint_error(tiny_checkpoints, tmp_path):
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=re.escape("no model.safetensors")):
         load_model(model_dir, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_model_loads_and_generates_in_each_cpu_dtype_whatever_the_cpu_packs(tiny_checkpoints, dtype):
+    """Where this CPU's oneDNN cannot pack a dtype (bfloat16 without AVX-512), the layers keep their plain weights
+    (the reorder would raise at load time); where it can, they are packed. Either way the model runs."""
+    from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.models.layers import Linear
+    from kvserve.kernels import onednn
+
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype=dtype, kv_cache_memory_bytes=1 << 22)
+    linears = [module for module in llm.engine.model.modules() if isinstance(module, Linear)]
+    packs = onednn.cpu_packs(getattr(torch, dtype))
+    assert {linear.packed_weight is not None for linear in linears} == {packs}
+    (output,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(output.token_ids) == 4

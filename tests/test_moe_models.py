@@ -7,9 +7,9 @@ import openai
 import pytest
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from engine import LLM
-from engine.models.moe import SparseMoeBlock
-from engine.tiny_checkpoint import write_random_checkpoint
+from kvserve.engine import LLM
+from kvserve.engine.models.moe import SparseMoeBlock
+from kvserve.testing.tiny_checkpoint import write_random_checkpoint
 from tests.server_harness import running_server
 from tests.test_parity import (
     SCHEDULING_PATHS,

@@ -9,7 +9,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_harness import TINY_MODEL, assert_openai_error
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -4,10 +4,11 @@ default model's checkpoint, and the C++ kernels' sources (built on first use).""
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
-from engine.default_model import default_model_dir
-from server.console import STATIC_DIR
+from kvserve.engine.default_model import default_model_dir
+from kvserve.server.console import STATIC_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,8 +21,11 @@ def test_the_built_wheel_carries_the_console_the_default_model_and_the_kernel_so
     )  # fmt: skip
     (wheel,) = tmp_path.glob("kvserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = [f"server/console/static/{path.name}" for path in STATIC_DIR.iterdir()]
-    expected += [f"engine/assets/default_model/{path.name}" for path in default_model_dir().iterdir()]
-    expected += [f"kernels/csrc/{path.name}" for path in (REPO_ROOT / "kernels" / "csrc").iterdir()]
+    expected = [f"kvserve/server/console/static/{path.name}" for path in STATIC_DIR.iterdir()]
+    expected += [f"kvserve/engine/assets/default_model/{path.name}" for path in default_model_dir().iterdir()]
+    expected += [f"kvserve/kernels/csrc/{path.name}" for path in (REPO_ROOT / "kernels" / "csrc").iterdir()]
     assert [name for name in expected if name not in names] == []
-    assert "engine/parallel/worker.py" in names and "server/bench/__init__.py" in names
+    assert "kvserve/engine/parallel/worker.py" in names and "kvserve/server/bench/__init__.py" in names
+    assert "kvserve/testing/fault_injection.py" in names
+    # Nothing but kvserve's own namespace at the top of site-packages.
+    assert {name.split("/")[0] for name in names} == {"kvserve", f"kvserve-{version('kvserve')}.dist-info"}

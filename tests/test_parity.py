@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from kernels.cpu_extension import load_cpu_kernels
+from kvserve.engine import LLM, SamplingParams
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 
 NUM_NEW_TOKENS = 12
 PROMPT_LENGTHS = [1, 3, 9, 16, 17, 31, 48, 70]  # below, at and across block boundaries

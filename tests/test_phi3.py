@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Phi3Config
 
-from engine import LLM
-from engine.tiny_checkpoint import write_random_checkpoint
+from kvserve.engine import LLM
+from kvserve.testing.tiny_checkpoint import write_random_checkpoint
 from tests.test_parity import SCHEDULING_PATHS, assert_matches_hf, build_hf_reference
 
 ORIGINAL_CONTEXT = 32

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, RequestDelta, SamplingParams
-from kvcache import BlockAllocator, BlockKey, DoubleFreeError
+from kvserve.engine import LLM, RequestDelta, SamplingParams
+from kvserve.kvcache import BlockAllocator, BlockKey, DoubleFreeError
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import PenaltyState, SamplingRow, sample
-from engine.sampling_params import SamplingParams
-from engine.structured_output import bitmask_biases
+from kvserve.engine.sampler import PenaltyState, SamplingRow, sample
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.structured_output import bitmask_biases
 
 # Six tokens with known probabilities, placed at shuffled positions so no filter can rely on the index order.
 PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
-from kvcache import BlockAllocator
-from scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.kvcache import BlockAllocator
+from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make_scheduler(

@@ -16,11 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import EngineConfig, LLMEngine
-from engine.model_loader import CheckpointError
+from kvserve.engine import EngineConfig, LLMEngine
+from kvserve.engine.model_loader import CheckpointError
 from tests.server_harness import TINY_MODEL, assert_openai_error, tiny_server
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sekret-key"
 COMPLETION = {"model": TINY_MODEL, "prompt": "Hi", "max_tokens": 1}
 ALLOWED_ORIGIN = "https://app.example"
@@ -110,8 +109,8 @@ def test_kvserve_serve_refuses_a_bad_model_path_with_one_line_and_no_traceback(t
     if kind == "pickle-only checkpoint":
         model_dir = copy_checkpoint(tiny_checkpoints, tmp_path)
         (model_dir / "model.safetensors").rename(model_dir / "pytorch_model.bin")
-    command = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", "0"]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", "0"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from server.request_limits import MAX_HEADER_BYTES, MAX_HEADER_FIELD_BYTES, MAX_HEADERS
-from server.serve import MAX_INCOMPLETE_EVENT_BYTES
+from kvserve.server.request_limits import MAX_HEADER_BYTES, MAX_HEADER_FIELD_BYTES, MAX_HEADERS
+from kvserve.server.serve import MAX_INCOMPLETE_EVENT_BYTES
 from tests.server_harness import assert_openai_error
 
 COMPLETIONS = "/v1/completions"

@@ -1,5 +1,5 @@
 """Engine faults behind a live server, over loopback: model steps that raise or hang, injected with the test-only
-hook of engine/fault_injection.py.
+hook of testing/fault_injection.py.
 
 A failed step answers the requests in flight with 500 (or an SSE error chunk, then [DONE]) in words that name no
 file; /health is 503 until a step succeeds again; after `max_consecutive_step_failures` failed steps in a row the
@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
-from engine import RequestDelta
-from engine.async_engine import RequestStream
-from engine.fault_injection import FaultPlan, FaultyExecute
+from kvserve.engine import RequestDelta
+from kvserve.engine.async_engine import RequestStream
+from kvserve.testing.fault_injection import FaultPlan, FaultyExecute
 from tests.server_harness import (
     TINY_MODEL,
     RunningServer,

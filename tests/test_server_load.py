@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 from tests.server_harness import TINY_MODEL, RunningServer, assert_nothing_allocated, slow_down_steps, tiny_server
 
 COMPLETIONS = "/v1/completions"

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from engine import RequestDelta, SamplingParams
-from engine.async_engine import RequestStream
-from server.generation import Generation
+from kvserve.engine import RequestDelta, SamplingParams
+from kvserve.engine.async_engine import RequestStream
+from kvserve.server.generation import Generation
 
 MODEL = "tiny-llama"
 PROMPT = "The cache is"

@@ -21,7 +21,6 @@ import pytest
 
 from tests.server_harness import assert_openai_error
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 COMPLETIONS = "/v1/completions"
 KV_CACHE_BYTES = 8 << 20
@@ -96,9 +95,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The console script pip installs, as a user runs it (from a directory of their own: see `serve_process`).
+KVSERVE = str(Path(sys.executable).with_name("kvserve"))
+
+
 def serve_command(model_dir: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-            *flags]  # fmt: skip
+    return [KVSERVE, "serve", str(model_dir), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *flags]
 
 
 def process_env(tmp_path: Path, **variables: str) -> dict[str, str]:
@@ -114,7 +116,7 @@ def serve_process(model_dir: Path, tmp_path: Path, *flags: str, **env: str) -> I
     log_path = tmp_path / f"server-{port}.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            serve_command(model_dir, "--port", str(port), *flags), env=process_env(tmp_path, **env), cwd=REPO_ROOT,
+            serve_command(model_dir, "--port", str(port), *flags), env=process_env(tmp_path, **env), cwd=tmp_path,
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
@@ -247,7 +249,7 @@ def test_with_no_drain_timeout_sigterm_stops_at_once_without_waiting_for_request
 
 def test_an_engine_whose_steps_keep_failing_stops_the_process_with_status_1(tiny_checkpoints, tmp_path):
     flags = ("--served-model-name", MODEL, "--max-consecutive-step-failures", "2")
-    fault = {"KVSERVE_FAULT_INJECTION": "raise:0"}  # every model step raises (engine/fault_injection.py)
+    fault = {"KVSERVE_FAULT_INJECTION": "raise:0"}  # every model step raises (testing/fault_injection.py)
     with serve_process(tiny_checkpoints["llama"], tmp_path, *flags, **fault) as server:
         children = descendants(server.process.pid)
         for _ in range(2):
@@ -293,7 +295,7 @@ def test_a_bad_setting_stops_the_process_with_a_message_naming_it(tiny_checkpoin
     config.write_text(config_text)
     command = serve_command(tiny_checkpoints["llama"], "--config", str(config), "--port", str(free_port()))
     result = subprocess.run(
-        command, env=process_env(tmp_path, **env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        command, env=process_env(tmp_path, **env), cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 2, result.stderr
     assert re.search(rf"\b{named}\b", result.stderr), result.stderr

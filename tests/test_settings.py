@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig
-from server import cli
-from server.settings import ServerSettings, SettingsError, load_settings
+from kvserve.engine import EngineConfig
+from kvserve.server import cli
+from kvserve.server.settings import ServerSettings, SettingsError, load_settings
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

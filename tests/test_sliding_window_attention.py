@@ -4,7 +4,7 @@ written out densely; the blocks wholly before a request's window are poisoned wi
 import pytest
 import torch
 
-from kernels import PagedKV, paged_attention
+from kvserve.kernels import PagedKV, paged_attention
 from tests.paged_batches import BLOCK_SIZE, HEAD_DIM, make_batch
 
 SCALE = HEAD_DIM**-0.5

@@ -6,18 +6,18 @@ import random
 import pytest
 import torch
 
-import engine.sampler
-from engine import LLM, SamplingParams
-from engine.decode_graphs import EagerReplay, capture_sizes
-from engine.kv_sizing import prefill_batch
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, paged_kv_layers
-from engine.sampler import PenaltyState, SamplingRow, sample
-from engine.step_inputs import BlockTableRows
-from kernels import TorchAttentionBackend
-from kernels.cpu_extension import load_cpu_kernels
-from kvcache import BlockAllocator, KVCache, KVCacheSpec
-from scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine import sampler as sampler_module
+from kvserve.engine.decode_graphs import EagerReplay, capture_sizes
+from kvserve.engine.kv_sizing import prefill_batch
+from kvserve.engine.model_loader import load_model
+from kvserve.engine.model_runner import ModelRunner, paged_kv_layers
+from kvserve.engine.sampler import PenaltyState, SamplingRow, sample
+from kvserve.engine.step_inputs import BlockTableRows
+from kvserve.kernels import TorchAttentionBackend
+from kvserve.kernels.cpu_extension import load_cpu_kernels
+from kvserve.kvcache import BlockAllocator, KVCache, KVCacheSpec
+from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 
 META = torch.device("meta")
 
@@ -45,7 +45,7 @@ def test_a_step_reads_nothing_back_from_the_device_but_the_sampled_tokens(tiny_c
         transfers.append([tuple(tensor.shape) for tensor in tensors])
         return [torch.full(tensor.shape, 7, dtype=tensor.dtype) for tensor in tensors]
 
-    monkeypatch.setattr(engine.sampler, "to_host", to_host)
+    monkeypatch.setattr(sampler_module, "to_host", to_host)
     rng = random.Random(0)
     kinds = [
         SamplingParams(temperature=0.0),

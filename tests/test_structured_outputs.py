@@ -17,8 +17,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine import LLM, InvalidRequestError, RequestOutput, SamplingParams
-from engine.sampling_params import GrammarSpec
+from kvserve.engine import LLM, InvalidRequestError, RequestOutput, SamplingParams
+from kvserve.engine.sampling_params import GrammarSpec
 from tests.server_harness import assert_nothing_allocated, assert_openai_error, tiny_server
 
 MODEL = "tiny-llama"

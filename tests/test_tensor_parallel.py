@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig
 
-from engine import LLM
-from engine.models.decoder import DecoderConfig
-from engine.models.moe import MoeConfig
-from engine.models.rope import RopeConfig
-from engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
-from engine.tiny_checkpoint import write_random_checkpoint
+from kvserve.engine import LLM
+from kvserve.engine.models.decoder import DecoderConfig
+from kvserve.engine.models.moe import MoeConfig
+from kvserve.engine.models.rope import RopeConfig
+from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
+from kvserve.testing.tiny_checkpoint import write_random_checkpoint
 from tests.test_parity import assert_matches_hf, assert_prefix_cached_run_matches_hf, build_hf_reference
 
 # Batches of at most 4 requests, 20 tokens a step (prompts in chunks beside decodes), and 10 blocks: each rank
@@ -166,7 +166,7 @@ def test_a_bad_split_is_refused_before_any_rank_starts(tiny_checkpoints):
 
 
 def test_settings_default_to_one_rank():
-    from engine import EngineConfig
+    from kvserve.engine import EngineConfig
 
     assert EngineConfig().tensor_parallel_size == 1
     with pytest.raises(ValueError, match="tensor_parallel_size"):

@@ -13,13 +13,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine import LLM, SamplingParams
+from kvserve.engine import LLM, SamplingParams
 from tests.server_harness import TINY_MODEL, assert_nothing_allocated, tiny_server
 from tests.test_server_process import (
     COMPLETIONS,
     EXIT_TIMEOUT_S,
     LONG,
-    REPO_ROOT,
     BackgroundRequest,
     ServerProcess,
     _wait_until_healthy,
@@ -146,7 +145,7 @@ def test_a_rank_that_dies_or_hangs_ends_the_server_with_status_1_naming_it(tiny_
 
 def test_a_split_that_does_not_divide_the_model_is_refused_at_start_up(tiny_checkpoints, tmp_path):
     command = serve_command(tiny_checkpoints["llama"], "--tensor-parallel-size", "3", "--port", str(free_port()))
-    done = subprocess.run(command, env=process_env(tmp_path), cwd=REPO_ROOT, capture_output=True, text=True,
+    done = subprocess.run(command, env=process_env(tmp_path), cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 2
     assert "tensor_parallel_size 3 does not divide 8 attention heads" in done.stderr
@@ -162,7 +161,7 @@ def test_ranks_launched_from_outside_meet_on_master_addr_and_serve(tiny_checkpoi
     for rank, log in enumerate(logs):
         env_of_rank = process_env(tmp_path, RANK=str(rank), **env)
         with log.open("w") as output:
-            processes.append(subprocess.Popen(command, env=env_of_rank, cwd=REPO_ROOT, stdout=output, stderr=output))
+            processes.append(subprocess.Popen(command, env=env_of_rank, cwd=tmp_path, stdout=output, stderr=output))
     try:
         rank_0 = ServerProcess(processes[0], f"http://127.0.0.1:{port}", logs[0])
         _wait_until_healthy(rank_0)

@@ -15,7 +15,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from engine.tiny_checkpoint import IM_END, write_random_checkpoint
+from kvserve.testing.tiny_checkpoint import IM_END, write_random_checkpoint
 from tests.conftest import TINY_CONFIGS
 from tests.server_harness import TINY_MODEL, assert_nothing_allocated, assert_openai_error, tiny_server
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.tool_parsers import (
+from kvserve.server.tool_parsers import (
     TOOL_CALL_PARSERS,
     ParsedOutput,
     ToolCallDelta,

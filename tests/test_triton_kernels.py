@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend
-from kernels.triton_backend import num_decode_segments
-from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
-from kernels.triton_extend_attention import paged_extend_attention
-from kernels.triton_store_kv import store_kv as triton_store_kv
+from kvserve.kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend
+from kvserve.kernels.triton_backend import num_decode_segments
+from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
+from kvserve.kernels.triton_extend_attention import paged_extend_attention
+from kvserve.kernels.triton_store_kv import store_kv as triton_store_kv
 from tests.paged_batches import (
     BLOCK_SIZE,
     GQA_SHAPES,

@@ -5,8 +5,8 @@ SiLU-and-mul, rotary embeddings in place on strided query and key views."""
 import pytest
 import torch
 
-from kernels import torch_layer_ops
-from kernels.triton_layer_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from kvserve.kernels import torch_layer_ops
+from kvserve.kernels.triton_layer_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

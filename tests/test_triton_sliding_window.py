@@ -6,10 +6,10 @@ kernels run in Triton's interpreter, so shapes stay small."""
 import pytest
 import torch
 
-from kernels import AttentionShape, PagedKV, paged_attention, select_attention_backend
-from kernels.torch_paged_attention import first_visible_position
-from kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
-from kernels.triton_extend_attention import paged_extend_attention
+from kvserve.kernels import AttentionShape, PagedKV, paged_attention, select_attention_backend
+from kvserve.kernels.torch_paged_attention import first_visible_position
+from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
+from kvserve.kernels.triton_extend_attention import paged_extend_attention
 from tests.paged_batches import BLOCK_SIZE, HEAD_DIM, PagedBatch, assert_close, make_batch, poisoned_like
 from tests.test_triton_kernels import DEVICE
 

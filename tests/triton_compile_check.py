@@ -17,13 +17,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.paged_kv import INT8_MAX
-from kernels.triton_common import padded
-from kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
-from kernels.triton_extend_attention import _extend_kernel
-from kernels.triton_layer_ops import SILU_BLOCK, _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
-from kernels.triton_moe import BLOCK_K, BLOCK_N, COMBINE_BLOCK, MAX_BLOCK_M, _combine_kernel, _expert_matmul_kernel
-from kernels.triton_store_kv import _store_kv_kernel
+from kvserve.kernels.paged_kv import INT8_MAX
+from kvserve.kernels.triton_common import padded
+from kvserve.kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
+from kvserve.kernels.triton_extend_attention import _extend_kernel
+from kvserve.kernels.triton_layer_ops import SILU_BLOCK, _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
+from kvserve.kernels.triton_moe import (
+    BLOCK_K,
+    BLOCK_N,
+    COMBINE_BLOCK,
+    MAX_BLOCK_M,
+    _combine_kernel,
+    _expert_matmul_kernel,
+)
+from kvserve.kernels.triton_store_kv import _store_kv_kernel
 
 INT32_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "sorted_rows_ptr", "block_experts_ptr")
 # The most shared memory one program may use on sm_90 (227 KiB): a kernel over it compiles but fails to launch.

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Linear, PackedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from engine.models.moe import MoeConfig, SparseMoeBlock
-from engine.models.rope import RopeConfig, RotaryEmbedding
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.sharding import ShardPlan
-from kernels import AttentionBackend, AttentionMetadata, PagedKV
+from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from kvserve.engine.models.moe import MoeConfig, SparseMoeBlock
+from kvserve.engine.models.rope import RopeConfig, RotaryEmbedding
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.sharding import ShardPlan
+from kvserve.kernels import AttentionBackend, AttentionMetadata, PagedKV
 
 
 @dataclass(frozen=True)

@@ -15,26 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionBackend
+from kvserve.kernels import AttentionBackend, onednn
 
 if TYPE_CHECKING:
-    from engine.parallel.group import TensorParallelGroup
-
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# The batch size oneDNN chooses the packed layout for; any batch runs on it. Decode batches are this order.
-PACKING_BATCH_HINT = 64
+    from kvserve.engine.parallel.group import TensorParallelGroup
 
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked copy of the weight, on a CPU
 
     def pack_weight(self) -> None:
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKING_BATCH_HINT)
+        self.packed_weight = onednn.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return onednn.packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -71,8 +66,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 def pack_linear_weights(model: nn.Module) -> bool:
     """Pack every linear layer's weight for oneDNN, where that is the CPU path (see the module's docstring)."""
-    weight = next(model.parameters())
-    if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+    if not onednn.can_pack(next(model.parameters())):
         return False
     for module in model.modules():
         if isinstance(module, Linear):

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models.layers import Linear
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.sharding import ShardPlan
-from kernels import AttentionBackend
-from kernels.torch_moe import OneDnnExperts
+from kvserve.engine.models.layers import Linear
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.sharding import ShardPlan
+from kvserve.kernels import AttentionBackend
+from kvserve.kernels.torch_moe import OneDnnExperts
 
 
 @dataclass(frozen=True)

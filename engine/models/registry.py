@@ -1,8 +1,8 @@
 """Supported HF architectures and how their configs map onto `DecoderConfig`."""
 
-from engine.models.decoder import DecoderConfig
-from engine.models.moe import MoeConfig
-from engine.models.rope import RopeConfig
+from kvserve.engine.models.decoder import DecoderConfig
+from kvserve.engine.models.moe import MoeConfig
+from kvserve.engine.models.rope import RopeConfig
 
 
 class UnsupportedModelError(ValueError):

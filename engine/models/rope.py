@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import AttentionBackend
+from kvserve.kernels import AttentionBackend
 
 
 class UnsupportedRopeError(ValueError):

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.sharding import ShardPlan, TensorParallelError
-from engine.parallel.step_message import send_stop
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.sharding import ShardPlan, TensorParallelError
+from kvserve.engine.parallel.step_message import send_stop
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 def check_can_split(config: EngineConfig, model_dir: Path, device: torch.device) -> None:
     """`TensorParallelError` unless the model splits over the ranks and, on CUDA, each rank has a GPU."""
-    from engine.model_loader import load_decoder_config  # the loader imports the decoder, which imports this package
+    from kvserve.engine.model_loader import (
+        load_decoder_config,  # the loader imports the decoder, which imports this package
+    )
 
     ShardPlan.of(load_decoder_config(model_dir), 0, config.tensor_parallel_size)
     if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
@@ -122,7 +124,9 @@ def start_ranks(config: EngineConfig, model_dir: Path, device: torch.device) -> 
         return Ranks(TensorParallelGroup.join(0, size, spec.init_method, device, config.tensor_parallel_timeout_s))
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(size))
-    from engine.parallel.worker import run_worker  # worker.py imports this module: a top-level import would cycle
+    from kvserve.engine.parallel.worker import (
+        run_worker,  # worker.py imports this module: a top-level import would cycle
+    )
 
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")

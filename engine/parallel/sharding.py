@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the decoder builds its layers from a plan: a runtime import would be circular
-    from engine.models.decoder import DecoderConfig
+    from kvserve.engine.models.decoder import DecoderConfig
 
 
 class TensorParallelError(ValueError):

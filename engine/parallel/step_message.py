@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.parallel.group import TensorParallelGroup
-from engine.step_inputs import InputBuffers, StepInputs, positions_and_slots
-from kernels import AttentionMetadata
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.step_inputs import InputBuffers, StepInputs, positions_and_slots
+from kvserve.kernels import AttentionMetadata
 
 _HEADER_SIZE = 6  # running, num_tokens, num_seqs, num_block_columns, has_sequence_lens, num_logit_rows
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.default_model import default_model_dir
-from engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
-from engine.model_loader import checkpoint_dtype, load_model
-from engine.model_runner import paged_kv_layers
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.launch import WorkerSpec, cpu_threads_per_rank, launched_spec, rank_device
-from engine.parallel.step_message import StepMessage
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.default_model import default_model_dir
+from kvserve.engine.kv_sizing import build_kv_cache, log_kv_cache, step_limits
+from kvserve.engine.model_loader import checkpoint_dtype, load_model
+from kvserve.engine.model_runner import paged_kv_layers
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.parallel.launch import WorkerSpec, cpu_threads_per_rank, launched_spec, rank_device
+from kvserve.engine.parallel.step_message import StepMessage
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

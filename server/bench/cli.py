@@ -8,14 +8,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from server.bench.client import list_models
-from server.bench.config import BenchConfig, auth_headers
-from server.bench.errors import BenchError
-from server.bench.report import write_report
-from server.bench.results import write_json
-from server.bench.runner import BenchRun, http_client, run_benchmark
-from server.bench.summary import Summary, format_table, summarize
-from server.bench.workload import BenchRequest, file_requests, random_requests
+from kvserve.server.bench.client import list_models
+from kvserve.server.bench.config import BenchConfig, auth_headers
+from kvserve.server.bench.errors import BenchError
+from kvserve.server.bench.report import write_report
+from kvserve.server.bench.results import write_json
+from kvserve.server.bench.runner import BenchRun, http_client, run_benchmark
+from kvserve.server.bench.summary import Summary, format_table, summarize
+from kvserve.server.bench.workload import BenchRequest, file_requests, random_requests
 
 DESCRIPTION = """Load-test an OpenAI-compatible server (kvserve or any other) with streamed requests and print
 throughput and TTFT / TPOT / ITL / E2E latency percentiles, as `vllm bench serve` does. Token counts come from the

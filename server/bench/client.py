@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from server.bench.config import BenchConfig
-from server.bench.errors import BenchError
-from server.bench.workload import BenchRequest
+from kvserve.server.bench.config import BenchConfig
+from kvserve.server.bench.errors import BenchError
+from kvserve.server.bench.workload import BenchRequest
 
 MODELS_TIMEOUT_S = 10.0
 MAX_ERROR_CHARS = 300

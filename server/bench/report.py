@@ -4,11 +4,11 @@ from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
-from server.bench import svg
-from server.bench.config import BenchConfig
-from server.bench.kv_scraper import KV_USAGE_METRIC
-from server.bench.runner import BenchRun
-from server.bench.summary import Distribution, Summary, output_tokens_per_second, summary_rows
+from kvserve.server.bench import svg
+from kvserve.server.bench.config import BenchConfig
+from kvserve.server.bench.kv_scraper import KV_USAGE_METRIC
+from kvserve.server.bench.runner import BenchRun
+from kvserve.server.bench.summary import Distribution, Summary, output_tokens_per_second, summary_rows
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em; max-width: 720px; color: #222; }

@@ -4,10 +4,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from server.bench.client import RequestRecord
-from server.bench.config import BenchConfig
-from server.bench.runner import BenchRun
-from server.bench.summary import Summary, output_tokens_per_second
+from kvserve.server.bench.client import RequestRecord
+from kvserve.server.bench.config import BenchConfig
+from kvserve.server.bench.runner import BenchRun
+from kvserve.server.bench.summary import Summary, output_tokens_per_second
 
 
 def write_json(path: Path, config: BenchConfig, summary: Summary, run: BenchRun) -> None:

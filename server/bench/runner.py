@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from server.bench.arrivals import arrival_times_s
-from server.bench.client import RequestRecord, send_request
-from server.bench.config import BenchConfig
-from server.bench.kv_scraper import scrape_kv_usage
-from server.bench.workload import BenchRequest
+from kvserve.server.bench.arrivals import arrival_times_s
+from kvserve.server.bench.client import RequestRecord, send_request
+from kvserve.server.bench.config import BenchConfig
+from kvserve.server.bench.kv_scraper import scrape_kv_usage
+from kvserve.server.bench.workload import BenchRequest
 
 
 @dataclass(frozen=True)

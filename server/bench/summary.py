@@ -9,9 +9,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from server.bench.client import RequestRecord
-from server.bench.config import BenchConfig
-from server.bench.runner import BenchRun
+from kvserve.server.bench.client import RequestRecord
+from kvserve.server.bench.config import BenchConfig
+from kvserve.server.bench.runner import BenchRun
 
 TABLE_WIDTH = 50
 LABEL_WIDTH = 40

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.bench.errors import BenchError
+from kvserve.server.bench.errors import BenchError
 
 # Decoding random ids and encoding the text again rarely gives the same count at once (tokens merge at their
 # joins); a few rounds of cutting or topping up settle it. vLLM's random dataset allows 10 as well.

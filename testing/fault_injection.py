@@ -8,15 +8,17 @@ tests), nothing is wrapped and the step path is untouched. Values (steps counted
     hang:N       the N-th step blocks until `release()` (never, in a process), stalling the engine thread
 """
 
+import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 
 ENV_VAR = "KVSERVE_FAULT_INJECTION"
+logger = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
@@ -73,3 +75,12 @@ def inject(engine: LLMEngine, plan: FaultPlan) -> FaultyExecute:
     faulty = FaultyExecute(engine.runner.execute, plan)
     engine.runner.execute = faulty
     return faulty
+
+
+def inject_from_env(engine: LLMEngine) -> FaultyExecute | None:
+    """`kvserve serve`'s hook: wrap the engine's steps as `KVSERVE_FAULT_INJECTION` asks, if it is set."""
+    plan = plan_from_env()
+    if plan is None:
+        return None
+    logger.warning("TEST ONLY: %s=%s makes model steps fail", ENV_VAR, plan)
+    return inject(engine, plan)
