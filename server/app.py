@@ -140,6 +140,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/tokenize", dependencies=authorized, response_model=TokenizeResponse,
               responses=error_responses(400, 401, 404))  # fmt: skip
     async def tokenize(body: TokenizeRequest):
+        ctx.check_known_fields(body)
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -152,6 +153,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/detokenize", dependencies=authorized, response_model=DetokenizeResponse,
               responses=error_responses(400, 401, 404))  # fmt: skip
     async def detokenize(body: DetokenizeRequest):
+        ctx.check_known_fields(body)
         ctx.check_model(body.model)
         ctx.engine.engine.tokenize_prompt(body.tokens)  # range-checks the ids
         return {"prompt": ctx.tokenizer.decode(body.tokens)}

@@ -99,6 +99,7 @@ def _arguments(arguments: str, param: str) -> dict:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
+    ctx.check_known_fields(body)
     ctx.check_model(body.model)
     check_chat_fields(body)
     if body.top_logprobs is not None and not body.logprobs:

@@ -23,6 +23,7 @@ from kvserve.server.supported_fields import check_completion_fields
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
+    ctx.check_known_fields(body)
     ctx.check_model(body.model)
     check_completion_fields(body)
     raw_prompts = _split_prompts(body.prompt)

@@ -1,14 +1,17 @@
 """What request handlers share: settings, the engine, the tokenizer, metrics, and request checks."""
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from kvserve.engine import SamplingParams
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.sampling_params import GrammarSpec
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import SamplingFields
+from kvserve.server.protocol import RequestModel, SamplingFields
 from kvserve.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -18,6 +21,7 @@ class ServerContext:
     model_name: str
     chat_template: str | None
     metrics: ServerMetrics
+    _logged_unknown_fields: set[str] = field(default_factory=set)
 
     @property
     def tokenizer(self):
@@ -33,6 +37,20 @@ class ServerContext:
                 404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                 type="not_found_error", param="model", code="model_not_found",
             )  # fmt: skip
+
+    def check_known_fields(self, body: RequestModel) -> None:
+        """A 400 naming the fields no model declares, as OpenAI answers a misspelt or unsupported one; with the
+        `accept_unknown_fields` setting they are ignored instead (each name logged once, so clients that send other
+        vendors' extras keep working)."""
+        unknown = body.unknown_fields()
+        if not unknown:
+            return
+        if not self.settings.accept_unknown_fields:
+            plural = "s" if len(unknown) > 1 else ""
+            raise bad_request(f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}", param=unknown[0])
+        for name in set(unknown) - self._logged_unknown_fields:
+            logger.warning("ignoring the unknown request field %r (accept_unknown_fields is set)", name)
+            self._logged_unknown_fields.add(name)
 
     def count_disconnect(self) -> None:
         self.metrics.client_disconnects.inc()

@@ -20,9 +20,28 @@ def now_s() -> int:
 
 class RequestModel(BaseModel):
     """A request body (or part of one). Strict: `true` is no token id, `"5"` no max_tokens and `1` no `stream`;
-    only an integer where a float is expected passes, as JSON does not tell 1 from 1.0."""
+    only an integer where a float is expected passes, as JSON does not tell 1 from 1.0.
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    Fields it does not declare are kept aside (`model_extra`), so that `unknown_fields` can name them: a misspelt or
+    unsupported field is refused, never answered as if it were absent (server/supported_fields.py).
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def unknown_fields(self, path: str = "") -> list[str]:
+        """The dotted path of every field the request gave that no model declares, nested objects included."""
+        unknown = [f"{path}{name}" for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            unknown += _unknown_fields_in(getattr(self, name), f"{path}{name}.")
+        return unknown
+
+
+def _unknown_fields_in(value: Any, path: str) -> list[str]:
+    if isinstance(value, RequestModel):
+        return value.unknown_fields(path)
+    if isinstance(value, list):
+        return [field for index, item in enumerate(value) for field in _unknown_fields_in(item, f"{path}{index}.")]
+    return []
 
 
 class StreamOptions(RequestModel):
@@ -56,10 +75,10 @@ class SamplingFields(RequestModel):
     """Fields shared by completions and chat, including the vLLM extras clients send in `extra_body`.
 
     Fields the OpenAI API defines but kvserve does not serve are declared too, so that they are refused
-    by name (see `server/supported_fields.py`) instead of ignored; unknown vendor fields are ignored.
+    by name (see `server/supported_fields.py`) instead of ignored, as is any field nobody declares.
     """
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -99,12 +118,14 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(RequestModel):
-    """A part of a message's content: text is served; other types (images, audio, files) are refused by name."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
+    """A part of a message's content: text is served; other types (images, audio, files) are refused by their type,
+    whatever fields they carry."""
 
     type: str
     text: str | None = None
+
+    def unknown_fields(self, path: str = "") -> list[str]:
+        return super().unknown_fields(path) if self.type == "text" else []
 
 
 class ToolCallFunction(RequestModel):

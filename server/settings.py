@@ -42,6 +42,9 @@ class _ServerOnlySettings(BaseModel):
     max_stop_strings: int = Field(16, ge=1)
     max_stop_string_chars: int = Field(1024, ge=1)
     max_prompts: int = Field(64, ge=1, description="largest number of prompts in one completions request")
+    accept_unknown_fields: bool = Field(
+        False, description="accept request fields kvserve does not know (logged, then ignored) instead of a 400"
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     max_consecutive_step_failures: int = Field(
         3, ge=1, description="after this many failed model steps in a row the server exits with status 1"

@@ -1,6 +1,7 @@
 """Every field of OpenAI's completions and chat requests is served (with an effect asserted here or in the
 feature's own tests) or refused with a 400 naming it; none is silently dropped."""
 
+import logging
 import typing
 
 import httpx
@@ -10,7 +11,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.server_harness import TINY_MODEL, assert_openai_error
+from tests.server_harness import TINY_MODEL, assert_openai_error, tiny_server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPT = "Once upon a time"
@@ -46,7 +47,7 @@ def sdk_fields(params: type) -> set[str]:
     ids=["completions", "chat"],
 )  # fmt: skip
 def test_every_field_the_openai_sdk_sends_is_declared(sdk_params, ours):
-    """A declared field is validated and acted on; an undeclared one would be dropped by `extra="ignore"`."""
+    """A declared field is validated and acted on; an undeclared one would be refused as unknown."""
     assert sdk_fields(sdk_params) - set(ours.model_fields) - {"stream"} == set()
 
 
@@ -85,6 +86,46 @@ def test_out_of_range_or_unserved_values_are_400s_naming_the_field(server, route
     body = {"model": TINY_MODEL, "max_tokens": 2, **fields}
     body.update({"prompt": PROMPT} if route == COMPLETIONS else {"messages": MESSAGES})
     assert_openai_error(httpx.post(server.base_url + route, json=body, timeout=30), 400, param)
+
+
+UNKNOWN_FIELDS = [
+    (COMPLETIONS, {"max_token": 5}, "max_token"),
+    (COMPLETIONS, {"stream": True, "stream_options": {"include_usages": True}}, "stream_options.include_usages"),
+    (CHAT, {"frequency_penality": 0.5}, "frequency_penality"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hello", "nmae": "x"}]}, "messages.0.nmae"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]}]},
+     "messages.0.content.0.cache_control"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "strictly": True}}]}, "tools.0.function.strictly"),
+    (CHAT, {"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), UNKNOWN_FIELDS)
+def test_a_field_nobody_declares_is_a_400_naming_it_as_openai_does(server, route, fields, param):
+    body = {"model": TINY_MODEL, "max_tokens": 2}
+    body.update({"prompt": PROMPT} if route == COMPLETIONS else {"messages": MESSAGES})
+    error = assert_openai_error(httpx.post(server.base_url + route, json={**body, **fields}, timeout=30), 400, param)
+    assert error["message"] == f"Unrecognized request argument supplied: {param}"
+
+
+def test_every_unknown_field_is_named_and_tokenize_refuses_them_too(server):
+    body = {"model": TINY_MODEL, "prompt": PROMPT, "max_token": 5, "temprature": 0}
+    error = assert_openai_error(httpx.post(server.base_url + COMPLETIONS, json=body, timeout=30), 400, "max_token")
+    assert error["message"] == "Unrecognized request arguments supplied: max_token, temprature"
+    for route, fields in [("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": [5]})]:
+        response = httpx.post(server.base_url + route, json={**fields, "add_bos": True}, timeout=30)
+        assert_openai_error(response, 400, "add_bos")
+
+
+def test_with_accept_unknown_fields_they_are_logged_once_and_ignored(tiny_checkpoints, caplog):
+    with tiny_server(tiny_checkpoints, accept_unknown_fields=True) as running, caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            body = {"model": TINY_MODEL, "prompt": PROMPT, "max_tokens": 2, "vendor_extra": {"a": 1}}
+            response = httpx.post(running.base_url + COMPLETIONS, json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 2
+    logged = [record.getMessage() for record in caplog.records if "vendor_extra" in record.getMessage()]
+    assert logged == ["ignoring the unknown request field 'vendor_extra' (accept_unknown_fields is set)"]
 
 
 @pytest.fixture
