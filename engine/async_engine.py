@@ -103,6 +103,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None
     stream: RequestStream
     arrival_s: float  # when the server accepted it, so queue time includes the wait for the engine thread
 
@@ -206,8 +207,9 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
-    ) -> RequestStream:
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+        cache_salt: str | None = None,
+    ) -> RequestStream:  # fmt: skip
         """Check `params` against the prompt (tokenized and checked by `engine.tokenize_prompt`) and queue it.
 
         Raises `InvalidRequestError`, `EngineOverloadedError` or `EngineUnavailableError` before
@@ -221,7 +223,7 @@ class AsyncLLMEngine:
             if self.num_waiting >= self.max_queued_requests:
                 raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
             self._num_in_flight += 1
-            self._commands.put(_Add(request_id, prompt_token_ids, params, stream, time.monotonic()))
+            self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, stream, time.monotonic()))
         return stream
 
     async def compile_grammar(self, spec: GrammarSpec) -> None:
@@ -318,7 +320,7 @@ class AsyncLLMEngine:
             return
         self._stats.arrived(command.request_id, len(command.prompt_token_ids), command.arrival_s)
         try:
-            self.engine.enqueue(command.request_id, command.prompt_token_ids, command.params)
+            self.engine.enqueue(command.request_id, command.prompt_token_ids, command.params, command.cache_salt)
         except Exception as error:  # checked at submit; anything left is reported, not raised
             self._stats.finished(command.request_id, "error")
             self._streams[command.request_id] = command.stream

@@ -135,14 +135,18 @@ class LLMEngine:
         """Why a tensor-parallel rank this engine started is gone (it exited), or None."""
         return self.ranks.failure() if self.ranks is not None else None
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises `InvalidRequestError` for bad input."""
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:  # fmt: skip
+        """Validate and queue a request; returns its id. Raises `InvalidRequestError` for bad input. A request with
+        a `cache_salt` shares cached prefix blocks only with requests of the same salt."""
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self._states:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_token_ids = self.tokenize_prompt(prompt)
         self.check_params(len(prompt_token_ids), params)
-        self.enqueue(request_id, prompt_token_ids, params)
+        self.enqueue(request_id, prompt_token_ids, params, cache_salt)
         return request_id
 
     def check_params(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -150,7 +154,9 @@ class LLMEngine:
         params.validate(self.vocab_size)
         self._check_fits(num_prompt_tokens, params.max_tokens)
 
-    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def enqueue(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue a request whose prompt (`tokenize_prompt`) and params (`check_params`) were checked.
 
         Its grammar, if it has one, is compiled here unless `grammars.compile` did it before (as the server does,
@@ -166,7 +172,9 @@ class LLMEngine:
         )
         # A cached prefix has no logits: a request that wants the prompt's logprobs computes all of it.
         wants_prompt_logprobs = params.prompt_logprobs is not None
-        request = Request(request_id, prompt_token_ids, reuses_cached_prefix=not wants_prompt_logprobs)
+        request = Request(
+            request_id, prompt_token_ids, reuses_cached_prefix=not wants_prompt_logprobs, cache_salt=cache_salt
+        )
         if self._rotates_long(request):
             self._keep_out_of_prefix_cache(request)
         self.scheduler.add(request)

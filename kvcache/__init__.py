@@ -1,6 +1,13 @@
 """Paged KV cache: block allocation, per-request block tables, cache tensors and their sizing."""
 
-from kvserve.kvcache.block_allocator import BlockAllocator, BlockKey, DoubleFreeError, KVCacheError, OutOfBlocksError
+from kvserve.kvcache.block_allocator import (
+    BlockAllocator,
+    BlockKey,
+    DoubleFreeError,
+    KVCacheError,
+    OutOfBlocksError,
+    root_digest,
+)
 from kvserve.kvcache.cache_tensors import KVCache, KVCacheSpec
 from kvserve.kvcache.usage import KVUsage
 
@@ -13,4 +20,5 @@ __all__ = [
     "KVCacheSpec",
     "KVUsage",
     "OutOfBlocksError",
+    "root_digest",
 ]

@@ -1,10 +1,18 @@
 """Fixed-size KV block allocator with reference counts and a cache of full blocks' contents.
 
-Blocks are shared by reference count. A full block can be registered under a `BlockKey` (its
-tokens and the hash of everything before it); when its last holder frees it, it keeps its
-contents and stays findable until a new allocation needs the space, least recently freed first.
+Blocks are shared by reference count. A full block can be registered under a `BlockKey` (its tokens and the
+digest of everything before it); when its last holder frees it, it keeps its contents and stays findable until a
+new allocation needs the space, least recently freed first.
+
+Keys are SHA-256 digests chained from block to block, so no two different prefixes share a key (with Python's
+`hash`, a crafted prompt could collide with another user's chain and be answered from their cache, as in vLLM's
+advisory GHSA-rm76-4mrf-v9r8). A request's chain starts from a root digest of what else decides its K and V
+besides the tokens, its cache salt: requests with different salts never share a block, so tenants can keep their
+caches apart.
 """
 
+import hashlib
+import struct
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
@@ -21,16 +29,28 @@ class DoubleFreeError(KVCacheError):
     """Raised when a block that is not allocated is freed (or forked)."""
 
 
-@dataclass(frozen=True)
+_ROOT_DOMAIN = b"kvserve prefix cache v1\0"
+
+
+def root_digest(cache_salt: str | None = None) -> bytes:
+    """The parent digest of a request's first block: one per cache salt (and one for requests without)."""
+    salt = b"" if cache_salt is None else b"salt\0" + cache_salt.encode()
+    return hashlib.sha256(_ROOT_DOMAIN + salt).digest()
+
+
+@dataclass(frozen=True, slots=True)
 class BlockKey:
-    """What a full block holds: its token ids, after the prefix whose chained hash is `parent_hash`."""
+    """What a full block holds: its token ids, after the prefix whose chained digest is `parent_digest`; `digest`
+    (SHA-256 of the parent's digest and the tokens as little-endian int32) is computed once, by `of`."""
 
-    parent_hash: int | None
+    parent_digest: bytes
     token_ids: tuple[int, ...]
+    digest: bytes
 
-    @property
-    def hash(self) -> int:
-        return hash((self.parent_hash, self.token_ids))
+    @classmethod
+    def of(cls, parent_digest: bytes, token_ids: tuple[int, ...]) -> "BlockKey":
+        tokens = struct.pack(f"<{len(token_ids)}i", *token_ids)
+        return cls(parent_digest, token_ids, hashlib.sha256(parent_digest + tokens).digest())
 
 
 class BlockAllocator:
@@ -43,7 +63,7 @@ class BlockAllocator:
         self._free_block_ids: deque[int] = deque(range(num_blocks))  # hold nothing worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
         self._ref_counts = [0] * num_blocks
-        self._block_by_hash: dict[int, int] = {}
+        self._block_by_digest: dict[bytes, int] = {}
         self._key_by_block: dict[int, BlockKey] = {}
 
     @property
@@ -90,8 +110,8 @@ class BlockAllocator:
         return block_ids
 
     def lookup(self, key: BlockKey) -> int | None:
-        """The cached block holding exactly `key`'s contents (tokens checked, not only the hash), if any."""
-        block_id = self._block_by_hash.get(key.hash)
+        """The cached block holding exactly `key`'s contents (parent and tokens checked too, not only the digest)."""
+        block_id = self._block_by_digest.get(key.digest)
         if block_id is None or self._key_by_block[block_id] != key:
             return None
         return block_id
@@ -108,14 +128,14 @@ class BlockAllocator:
         """Make an allocated, full block findable by `key`; a key already cached keeps its block."""
         if self._num_references(block_id) == 0:
             raise DoubleFreeError(f"cannot register block {block_id}: it is not allocated")
-        if key.hash in self._block_by_hash or block_id in self._key_by_block:
+        if key.digest in self._block_by_digest or block_id in self._key_by_block:
             return
-        self._block_by_hash[key.hash] = block_id
+        self._block_by_digest[key.digest] = block_id
         self._key_by_block[block_id] = key
 
     def _forget(self, block_id: int) -> None:
         key = self._key_by_block.pop(block_id)
-        del self._block_by_hash[key.hash]
+        del self._block_by_digest[key.digest]
 
     def fork(self, block_ids: list[int]) -> list[int]:
         """Share already allocated blocks with one more holder; returns the same ids."""

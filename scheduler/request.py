@@ -38,6 +38,7 @@ class Request:
     block_keys: list[BlockKey] = field(default_factory=list)  # contents of the full blocks known so far
     num_registered_blocks: int = 0  # leading blocks of block_ids that the prefix cache can find
     reuses_cached_prefix: bool = True  # False: computes its whole prompt
+    cache_salt: str | None = None  # shares cached blocks only with requests of the same salt
     caches_blocks: bool = True  # False: its blocks are not offered to the prefix cache
 
     @property

@@ -9,7 +9,7 @@ admitted request is preempted (its blocks freed, put back at the front of the qu
 
 from collections import deque
 
-from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage
+from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage, root_digest
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -195,9 +195,9 @@ class Scheduler:
     def _extend_block_keys(self, request: Request, num_blocks: int) -> None:
         size = self.block_size
         for index in range(len(request.block_keys), num_blocks):
-            parent_hash = request.block_keys[index - 1].hash if index else None
+            parent = request.block_keys[index - 1].digest if index else root_digest(request.cache_salt)
             tokens = tuple(request.token_ids(index * size, (index + 1) * size))
-            request.block_keys.append(BlockKey(parent_hash, tokens))
+            request.block_keys.append(BlockKey.of(parent, tokens))
 
     def _register_full_blocks(self, request: Request) -> None:
         num_full_blocks = request.num_computed_tokens // self.block_size

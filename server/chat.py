@@ -123,7 +123,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
 
     generation = Generation(ctx.engine, random_id("chatcmpl"), ctx.model_name, ctx.count_disconnect)
-    generation.submit([prompt], params, body.n)
+    generation.submit([prompt], params, body.n, body.cache_salt)
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, tool_plan)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")

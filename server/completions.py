@@ -46,7 +46,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         grammar=await compiled_grammar(ctx, body), prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
     generation = Generation(ctx.engine, random_id("cmpl"), ctx.model_name, ctx.count_disconnect)
-    generation.submit(prompts, params, num_candidates)
+    generation.submit(prompts, params, num_candidates, body.cache_salt)
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, echoes, scores_prompt_only)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")

@@ -61,7 +61,7 @@ class Generation:
         self._streams: list[RequestStream] = []
         self._prompts: list[list[int]] = []
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, cache_salt: str | None = None) -> None:
         """Queue every choice, or none: a refusal aborts what was already queued."""
         loop = asyncio.get_running_loop()
         self._prompts = prompts
@@ -72,7 +72,8 @@ class Generation:
                     if params.seed is not None and sample_index:
                         choice_params = replace(params, seed=params.seed + sample_index)
                     index = prompt_index * n + sample_index
-                    stream = self.engine.submit(self._engine_id(index), prompt_token_ids, choice_params, loop)
+                    engine_id = self._engine_id(index)
+                    stream = self.engine.submit(engine_id, prompt_token_ids, choice_params, loop, cache_salt)
                     self.choices.append(Choice(index))
                     self._streams.append(stream)
         except Exception:

@@ -106,6 +106,7 @@ class SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached prefixes only within a salt
 
 
 class CompletionRequest(SamplingFields):

@@ -194,3 +194,19 @@ def test_best_of_returns_the_candidates_with_the_highest_summed_logprob(client):
     without_logprobs = client.completions.create(**fields, best_of=4, n=2, seed=11)
     assert [choice.text for choice in without_logprobs.choices] == [choice.text for choice in best.choices]
     assert all(choice.logprobs is None for choice in without_logprobs.choices)
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(server, client):
+    """vLLM's `cache_salt` extra: a salted request shares cached prefix blocks only with requests of its salt."""
+    prompt = PROMPT * 20  # several full blocks
+
+    def hits_of(salt: str) -> float:
+        before = server.metric("prefix_cache_hit_tokens_total")
+        client.completions.create(model=TINY_MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        return server.metric("prefix_cache_hit_tokens_total") - before
+
+    assert hits_of("salt-one") == 0
+    assert hits_of("salt-two") == 0
+    assert hits_of("salt-one") > 0
+    empty = {"model": TINY_MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": ""}
+    assert_openai_error(httpx.post(server.base_url + COMPLETIONS, json=empty, timeout=30), 400, "cache_salt")

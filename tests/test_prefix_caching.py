@@ -1,6 +1,8 @@
 """Prefix caching: repeated prompt prefixes reuse cached KV blocks; outputs are unchanged, nothing leaks."""
 
+import hashlib
 import json
+import struct
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine import LLM, RequestDelta, SamplingParams
-from kvserve.kvcache import BlockAllocator, BlockKey, DoubleFreeError
+from kvserve.kvcache import BlockAllocator, BlockKey, DoubleFreeError, root_digest
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -77,6 +79,26 @@ def test_a_fully_cached_prompt_still_computes_its_last_block_for_logits(tiny_che
     assert scheduler.prefix_cache_hit_tokens == BLOCK_SIZE  # the block holding the last token is recomputed
 
 
+def test_a_cache_salt_shares_blocks_within_the_salt_only(tiny_checkpoints, vocab_size):
+    """Same prompt, different salts (or none): no shared block; same salt: the cached prefix is found. The tokens
+    are the same either way."""
+    llm = LLM(str(tiny_checkpoints["llama"]))
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    prompt = _tokens(vocab_size, 3 * BLOCK_SIZE + 5, seed=6)
+
+    def hits_of(salt: str | None) -> tuple[int, list[int]]:
+        before = scheduler.prefix_cache_hit_tokens
+        request_id = engine.add_request(prompt, GREEDY, cache_salt=salt)
+        deltas = [delta for _ in range(64) if engine.has_unfinished() for delta in engine.step()]
+        tokens = [token for delta in deltas if delta.request_id == request_id for token in delta.token_ids]
+        return scheduler.prefix_cache_hit_tokens - before, tokens
+
+    first_hits, expected = hits_of("tenant-a")
+    assert first_hits == 0
+    for salt, hits in [("tenant-b", 0), (None, 0), ("tenant-a", 3 * BLOCK_SIZE), (None, 3 * BLOCK_SIZE)]:
+        assert hits_of(salt) == (hits, expected), salt
+
+
 def test_aborting_one_holder_of_a_shared_prefix_leaves_the_other_unchanged(tiny_checkpoints, vocab_size):
     prefix = _tokens(vocab_size, 40, seed=6)
     prompts = [[*prefix, 5], [*prefix, 6]]
@@ -100,7 +122,7 @@ def test_aborting_one_holder_of_a_shared_prefix_leaves_the_other_unchanged(tiny_
 
 
 def _key(i: int) -> BlockKey:
-    return BlockKey(parent_hash=None, token_ids=(i, i + 1))
+    return BlockKey.of(root_digest(), (i, i + 1))
 
 
 def test_a_freed_cached_block_is_found_again_until_an_allocation_evicts_it_least_recent_first():
@@ -118,13 +140,30 @@ def test_a_freed_cached_block_is_found_again_until_an_allocation_evicts_it_least
     assert allocator.ref_count(blocks[0]) == 1 and allocator.num_free_blocks == 0
 
 
-def test_lookup_checks_the_tokens_not_only_the_hash():
+def test_lookup_checks_the_parent_and_the_tokens_not_only_the_digest():
     allocator = BlockAllocator(2)
     (block,) = allocator.allocate(1)
-    allocator.register(block, _key(1))
-    impostor = BlockKey(parent_hash=None, token_ids=(1, 3))
-    allocator._block_by_hash[impostor.hash] = block  # a forced hash collision
-    assert allocator.lookup(impostor) is None
+    key = _key(1)
+    allocator.register(block, key)
+    # Forged keys carrying the registered digest: with SHA-256 no real key does, but a hit is verified anyway.
+    other_tokens = BlockKey(key.parent_digest, (1, 3), key.digest)
+    other_parent = BlockKey(root_digest("another tenant"), key.token_ids, key.digest)
+    assert allocator.lookup(other_tokens) is None and allocator.lookup(other_parent) is None
+    assert allocator.lookup(BlockKey.of(key.parent_digest, key.token_ids)) == block
+
+
+def test_keys_chain_a_sha256_digest_over_the_parent_and_the_tokens():
+    parent = root_digest()
+    key = BlockKey.of(parent, (1, 2, 70000))
+    assert key.digest == hashlib.sha256(parent + struct.pack("<3i", 1, 2, 70000)).digest()
+    # Python's hash of (parent, tokens) chains predictably; the digest of one earlier token changes every later key.
+    first, changed_first = BlockKey.of(parent, (1, 2)), BlockKey.of(parent, (1, 3))
+    assert BlockKey.of(first.digest, (5, 6)).digest != BlockKey.of(changed_first.digest, (5, 6)).digest
+
+
+def test_a_cache_salt_starts_its_own_chain():
+    assert len({root_digest(), root_digest("a"), root_digest("b"), root_digest("")}) == 4
+    assert root_digest("a") == root_digest("a")
 
 
 def test_registering_or_taking_an_unallocated_block_is_refused():
