@@ -1,20 +1,22 @@
-"""AsyncLLMEngine: runs `LLMEngine` on its own thread and feeds per-request async streams.
+"""AsyncLLMEngine: the server's one door to the engine. The core steps on a thread of its own; requests come in and
+their text goes out on the server's event loop.
 
-The HTTP event loop never runs a model step. Requests and aborts go to the engine thread
-through a command queue; after each step the thread hands the step's deltas to their streams in
-one call onto the event loop. A stream keeps the deltas its reader has not taken yet and hands
-them over merged, so a slow reader never holds up the batch and costs only the text it has not read.
+A request goes through the input processor on the event loop (a grammar is built on a worker thread first, so
+neither the loop nor the steps wait for it), then to the engine thread through a command queue. After each step
+the engine thread hands the step's `StepResult` to the event loop in one call; there the output processor turns
+its tokens into each request's delta (detokenizing, stop strings, logprob texts), off the step's path, and feeds
+the requests' streams. A stream keeps the deltas its reader has not taken yet and hands them over merged, so a
+slow reader never holds up the batch. A stop string found there finishes the request in the core a step later.
 
-A failed model step fails the requests in flight and makes the engine unhealthy until a step
-succeeds (or, with no traffic to prove it, for `unhealthy_after_failure_s`); after
-`max_consecutive_step_failures` failed steps in a row the loop stops for good (`failed`), and
-every request in flight or queued gets an error, so no client waits on a dead engine. With tensor
-parallelism one failed step is enough (the ranks may no longer be in step), and so is a rank that exits,
-even with nothing running: `fatal_error` says which, and the server exits on it.
+A failed model step fails the requests in flight and makes the engine unhealthy until a step succeeds (or, with
+no traffic to prove it, for `unhealthy_after_failure_s`); after `max_consecutive_step_failures` failed steps in a
+row the loop stops for good (`failed`), and every request in flight or queued gets an error, so no client waits
+on a dead engine. With tensor parallelism one failed step is enough (the ranks may no longer be in step), and so
+is a rank that exits, even with nothing running: `fatal_error` says which, and the server exits on it.
 
-The console's `EngineState` is taken on the engine thread too, between steps, only when someone asks
-for it (a `_TakeState` command) and at most once per STATE_MAX_AGE_S; a step costs nothing extra
-while nobody looks, beyond feeding the live figures' window the stats it reports anyway.
+The console's `EngineState` is taken on the engine thread too, between steps, only when someone asks for it (a
+`_TakeState` command) and at most once per STATE_MAX_AGE_S; a step costs nothing extra while nobody looks, beyond
+feeding the live figures' window the stats it reports anyway.
 """
 
 import asyncio
@@ -26,11 +28,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from kvserve.engine.engine_state import EngineState, StatsWindow, take_engine_state
+from kvserve.engine.engine_state import EngineState, StatsWindow
+from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
-from kvserve.engine.sampling_params import GrammarSpec, SamplingParams
+from kvserve.engine.request import ChatPrompt, CoreRequest, GenerationRequest, ProcessedRequest
 from kvserve.engine.stats import StatsTracker, StepStats
+from kvserve.engine.step_result import StepResult
+from kvserve.scheduler import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +64,7 @@ STEP_FAILED_MESSAGE = "the model step failed while this request was in flight; t
 class RequestStream:
     """The deltas of one request its reader has not taken yet; used on the event loop's thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:
         self._deltas: list[RequestDelta] = []
         self._error: Exception | None = None
         self._changed = asyncio.Event()
@@ -72,10 +77,6 @@ class RequestStream:
     def set_error(self, error: Exception) -> None:
         self._error = error
         self._changed.set()
-
-    def fail(self, error: Exception) -> None:
-        """Called from the engine thread."""
-        self.loop.call_soon_threadsafe(self.set_error, error)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         """The deltas, merged as they piled up; an error is raised after the deltas that came before it, so a
@@ -93,24 +94,65 @@ class RequestStream:
                 raise self._error
 
 
-def _deliver(deliveries: list[tuple[RequestStream, RequestDelta]]) -> None:
-    for stream, delta in deliveries:
-        stream.add(delta)
+class GenerationStream:
+    """Every choice of one `GenerationRequest` (n samples of each prompt), queued together and aborted together.
+    Choice i is sample i % n of prompt i // n (`processed.prompt_of(i)`)."""
+
+    def __init__(self, engine: "AsyncLLMEngine", processed: ProcessedRequest, request_ids: list[str],
+                 streams: list[RequestStream]) -> None:  # fmt: skip
+        self.processed = processed
+        self._engine = engine
+        self._request_ids = request_ids
+        self._streams = streams
+        self._finished = [False] * len(streams)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(choice index, its delta) every time a choice has new output, until all are finished; aborts what is
+        unfinished on exit (the reader left, or failed). Every delta carries tokens or a finish: a token whose text
+        is empty (a skipped special token) comes in its own step's delta, as in vLLM, so streams send a chunk for
+        it, its logprobs ride along, and clients time the first token, not the first visible text."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    merged.put_nowait((index, delta))
+            except Exception as error:
+                merged.put_nowait(error)
+
+        tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(self._streams)]
+        try:
+            while not all(self._finished):
+                item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                index, delta = item
+                self._finished[index] = delta.finished
+                yield index, delta
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort()
+
+    def abort(self) -> None:
+        ids_and_done = zip(self._request_ids, self._finished, strict=True)
+        unfinished = [request_id for request_id, done in ids_and_done if not done]
+        if unfinished:
+            self._engine.abort(unfinished)
 
 
 @dataclass(frozen=True)
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    stream: RequestStream
+    request: CoreRequest
     arrival_s: float  # when the server accepted it, so queue time includes the wait for the engine thread
 
 
 @dataclass(frozen=True)
-class _Abort:
+class _Finish:
+    """Take a request out of the core: an abort, or a stop string the output processor found."""
+
     request_id: str
+    reason: FinishReason
 
 
 @dataclass(frozen=True)
@@ -125,9 +167,11 @@ def _resolve(future: asyncio.Future, state: EngineState) -> None:
 
 
 class AsyncLLMEngine:
-    """Thread-backed front of `LLMEngine` for asyncio servers."""
+    """The engine for asyncio servers: `generate` a request, read its `GenerationStream`."""
 
-    engine: LLMEngine  # built on the engine thread; read-only elsewhere (tokenizer, limits, usage)
+    engine: LLMEngine  # built on the engine thread; its core is touched there only (tests may look)
+    inputs: InputProcessor
+    outputs: OutputProcessor  # event loop only
 
     def __init__(
         self,
@@ -152,13 +196,14 @@ class AsyncLLMEngine:
         self.failed = False  # set when the loop stopped after too many failed steps in a row
         self.failure: str | None = None  # why, once `failed`
         self._on_stats = on_stats
-        self._stats = StatsTracker()
+        self._stats = StatsTracker()  # engine thread only
         self._stats_window = StatsWindow()  # engine thread only
         self._state: EngineState  # the latest snapshot; replaced (never changed) by the engine thread
-        self._commands: queue.SimpleQueue[_Add | _Abort | _TakeState | None] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # touched by the engine thread only
+        self._commands: queue.SimpleQueue[_Add | _Finish | _TakeState | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's, set by the first request
+        self._streams: dict[str, RequestStream] = {}  # event loop only
         self._lock = threading.Lock()
-        self._num_in_flight = 0  # submitted and not yet finished, aborted or failed
+        self._num_in_flight = 0  # queued and not yet finished, aborted or failed (changed on the event loop)
         self._num_running = 0  # published by the engine thread after each step
         self._last_progress_s = time.monotonic()
         self._expert_tokens_read_s = 0.0
@@ -172,6 +217,13 @@ class AsyncLLMEngine:
         self._ready.wait()
         if self._startup_error is not None:
             raise self._startup_error
+        self.inputs, self.outputs = self.engine.inputs, self.engine.outputs
+
+    # The server's side (event loop)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inputs.model.max_model_len
 
     @property
     def num_in_flight(self) -> int:
@@ -181,10 +233,59 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         return max(0, self._num_in_flight - self._num_running)
 
+    def tokenize(self, prompt: str | ChatPrompt, add_special_tokens: bool = True) -> list[int]:
+        return self.inputs.tokenize(prompt, add_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """A token decoded alone, as logprobs show it."""
+        return self.outputs.token_text(token_id)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids as text (`InvalidRequestError` for an id outside the vocabulary)."""
+        return self.inputs.decode(token_ids, skip_special_tokens)
+
+    async def generate(self, request: GenerationRequest, request_id: str) -> GenerationStream:
+        """Check and queue every choice of `request`, or none; its choices' ids are `{request_id}-{index}`.
+
+        Raises `InvalidRequestError`, `EngineOverloadedError` or `EngineUnavailableError` before anything is
+        queued.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError("an AsyncLLMEngine serves one event loop")
+        grammar = request.params.structured_output
+        if grammar is not None:  # built on a worker thread (and cached), so the event loop never waits for it
+            await loop.run_in_executor(None, self.inputs.compile_grammar, grammar)
+        processed = self.inputs.process(request)
+        core_requests = list(processed.core_requests(request_id))
+        streams = [RequestStream() for _ in core_requests]
+        arrival_s = time.monotonic()
+        with self._lock:
+            if self._refusal is not None:
+                raise EngineUnavailableError(self._refusal)
+            if self.num_waiting >= self.max_queued_requests:
+                raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
+            for core_request, stream in zip(core_requests, streams, strict=True):
+                self.outputs.add(core_request.request_id, core_request.params)
+                self._streams[core_request.request_id] = stream
+                self._commands.put(_Add(core_request, arrival_s))
+            self._num_in_flight += len(core_requests)
+        return GenerationStream(self, processed, [r.request_id for r in core_requests], streams)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests (their client is gone): their streams now, their blocks at the engine's next command."""
+        for request_id in request_ids:
+            self.outputs.abort(request_id)
+            if self._streams.pop(request_id, None) is not None:
+                self._num_in_flight -= 1
+            self._commands.put(_Finish(request_id, FinishReason.ABORT))
+
     def is_healthy(self) -> bool:
         """The engine thread is alive, its last step did not fail (recently), and, if it has work, it finished
         a step recently."""
-        if not self._thread.is_alive() or self.engine.rank_failure() is not None:
+        if not self._thread.is_alive() or self.engine.core.rank_failure() is not None:
             return False
         now_s = time.monotonic()
         if self._num_failed_steps_in_a_row and now_s - self._last_failure_s < self.unhealthy_after_failure_s:
@@ -193,7 +294,7 @@ class AsyncLLMEngine:
 
     def fatal_error(self) -> str | None:
         """Why the engine can serve no more (it stopped, or a tensor-parallel rank exited); None while it can."""
-        return self.failure or self.engine.rank_failure()
+        return self.failure or self.engine.core.rank_failure()
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -201,38 +302,10 @@ class AsyncLLMEngine:
 
     def shutdown(self) -> None:
         """Fail whatever is still in flight and stop the engine thread."""
-        with self._lock:  # with `submit` under the same lock, no request is queued behind the stop command
+        with self._lock:  # with `generate` under the same lock, no request is queued behind the stop command
             self._refusal = "the server is shutting down"
             self._commands.put(None)
         self._thread.join(timeout=10)
-
-    def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-        cache_salt: str | None = None,
-    ) -> RequestStream:  # fmt: skip
-        """Check `params` against the prompt (tokenized and checked by `engine.tokenize_prompt`) and queue it.
-
-        Raises `InvalidRequestError`, `EngineOverloadedError` or `EngineUnavailableError` before
-        anything is queued.
-        """
-        self.engine.check_params(len(prompt_token_ids), params)
-        stream = RequestStream(loop)
-        with self._lock:
-            if self._refusal is not None:
-                raise EngineUnavailableError(self._refusal)
-            if self.num_waiting >= self.max_queued_requests:
-                raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
-            self._num_in_flight += 1
-            self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, stream, time.monotonic()))
-        return stream
-
-    async def compile_grammar(self, spec: GrammarSpec) -> None:
-        """Compile (or find cached) a request's grammar on a worker thread, so that neither the event loop
-        nor the engine's steps wait for it; raises `InvalidRequestError` if it does not compile."""
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.grammars.compile, spec)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
 
     async def engine_state(self) -> EngineState:
         """The latest snapshot of the KV cache and the queues; a new one, taken between steps, if the last is older
@@ -247,6 +320,35 @@ class AsyncLLMEngine:
         except TimeoutError:
             return self._state
 
+    def _on_step(self, result: StepResult) -> None:
+        """On the event loop: a step's tokens become the requests' deltas."""
+        processed = self.outputs.process(result.outputs)
+        for delta in processed.deltas:
+            stream = self._streams.pop(delta.request_id) if delta.finished else self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            stream.add(delta)
+            self._num_in_flight -= delta.finished
+        for request_id in processed.stopped:
+            self._commands.put(_Finish(request_id, FinishReason.STOP))
+
+    def _on_failure(self, request_ids: list[str], error: Exception) -> None:
+        """On the event loop: fail these requests' streams."""
+        for request_id in request_ids:
+            self.outputs.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._num_in_flight -= 1
+                stream.set_error(error)
+
+    def _post(self, callback: Callable, *args) -> None:
+        """Run `callback(*args)` on the event loop (if it still runs: a stopped server has nobody to tell)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(callback, *args)
+
+    # The engine thread
+
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
             self.engine = make_engine()
@@ -258,30 +360,31 @@ class AsyncLLMEngine:
         finally:
             self._ready.set()
         try:
-            self._loop()
+            self._loop_steps()
         finally:
             self.engine.close()
 
-    def _loop(self) -> None:
-        while self._apply_commands(block=not self.engine.has_unfinished()):
+    def _loop_steps(self) -> None:
+        core = self.engine.core
+        while self._apply_commands(block=not core.has_unfinished()):
             start_s = time.monotonic()
             try:
-                deltas = self.engine.step()
+                result = core.step()
             except Exception as error:  # a failed step must not kill the loop or strand clients
                 logger.exception("engine step failed; failing the requests in flight")
                 if self._step_failed(error):
                     return
                 continue
-            if not self.engine.scheduler.last_output.is_empty:  # only a step that ran the model shows it works
+            if result.ran_model:  # only a step that ran the model shows it works
                 self._num_failed_steps_in_a_row = 0
             self._last_progress_s = time.monotonic()
-            self._num_running = len(self.engine.scheduler.running)
-            self._stats.stepped(self.engine.scheduler.last_output, deltas, start_s, self._last_progress_s)
+            self._stats.stepped(result, start_s, self._last_progress_s)
             self._report_stats()
-            self._publish(deltas)
+            if result.outputs:
+                self._post(self._on_step, result)
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts (waiting for one if `block`); returns False on shutdown."""
+        """Apply queued adds and finishes (waiting for one if `block`); returns False on shutdown."""
         try:
             command = self._commands.get(block=block)
             while True:
@@ -294,46 +397,25 @@ class AsyncLLMEngine:
             self._last_progress_s = time.monotonic()
             return True
 
-    def _publish(self, deltas: list[RequestDelta]) -> None:
-        """Hand a step's deltas to their streams in one call onto the event loop (one wake-up a step)."""
-        deliveries = []
-        for delta in deltas:
-            stream = self._close(delta.request_id) if delta.finished else self._streams.get(delta.request_id)
-            if stream is not None:
-                deliveries.append((stream, delta))
-        if deliveries:
-            deliveries[0][0].loop.call_soon_threadsafe(_deliver, deliveries)
-
-    def _apply(self, command: _Add | _Abort | _TakeState) -> None:
+    def _apply(self, command: _Add | _Finish | _TakeState) -> None:
+        core = self.engine.core
         if isinstance(command, _TakeState):
             if self._state.taken_at_monotonic_s < command.asked_at_s:
                 self._state = self._take_state()
             with contextlib.suppress(RuntimeError):  # the poller's event loop closed (the server stopped)
                 command.future.get_loop().call_soon_threadsafe(_resolve, command.future, self._state)
-            return
-        if isinstance(command, _Abort):
-            delta = self.engine.abort(command.request_id)
-            self._stats.finished(command.request_id, "abort")
-            stream = self._close(command.request_id)
-            if delta is not None and stream is not None:
-                stream.loop.call_soon_threadsafe(stream.add, delta)
-            return
-        self._stats.arrived(command.request_id, len(command.prompt_token_ids), command.arrival_s)
-        try:
-            self.engine.enqueue(command.request_id, command.prompt_token_ids, command.params, command.cache_salt)
-        except Exception as error:  # checked at submit; anything left is reported, not raised
-            self._stats.finished(command.request_id, "error")
-            self._streams[command.request_id] = command.stream
-            self._close(command.request_id).fail(error)
-            return
-        self._streams[command.request_id] = command.stream
-
-    def _close(self, request_id: str) -> RequestStream | None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            with self._lock:
-                self._num_in_flight -= 1
-        return stream
+        elif isinstance(command, _Finish):
+            if core.finish(command.request_id, command.reason):
+                self._stats.finished(command.request_id, command.reason.value)
+        else:
+            request_id = command.request.request_id
+            self._stats.arrived(request_id, len(command.request.prompt_token_ids), command.arrival_s)
+            try:
+                core.add(command.request)
+            except Exception as error:  # checked by the input processor; anything left is reported, not raised
+                logger.exception("request %s could not be queued", request_id)
+                self._stats.finished(request_id, "error")
+                self._post(self._on_failure, [request_id], error)
 
     def _step_failed(self, error: Exception) -> bool:
         """Fail the requests in flight; True if that was one failed step too many and the loop must end."""
@@ -341,9 +423,10 @@ class AsyncLLMEngine:
         self._last_failure_s = time.monotonic()
         self._fail_all(EngineStepError(STEP_FAILED_MESSAGE))
         self._report_stats()
-        if self.engine.ranks is not None:  # a collective failed or was cut short: the ranks are out of step
-            failure = self.engine.rank_failure() or f"a tensor-parallel step failed ({error})"
-            self.engine.ranks.kill()  # nothing to wait for: a hung rank would not hear a stop
+        core = self.engine.core
+        if core.is_tensor_parallel:  # a collective failed or was cut short: the ranks are out of step
+            failure = core.rank_failure() or f"a tensor-parallel step failed ({error})"
+            core.kill_ranks()  # nothing to wait for: a hung rank would not hear a stop
         elif self._num_failed_steps_in_a_row < self.max_consecutive_step_failures:
             return False
         else:
@@ -358,35 +441,36 @@ class AsyncLLMEngine:
         with self._lock:
             self._refusal = str(error)
         self._fail_all(error)
+        queued = []
         while True:  # after the refusal no request is queued any more, so this ends
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(command, _Add):
-                with self._lock:
-                    self._num_in_flight -= 1
-                command.stream.fail(error)
+                queued.append(command.request.request_id)
+        self._post(self._on_failure, queued, error)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._streams):
-            self.engine.abort(request_id)
+        request_ids = self.engine.core.finish_all()
+        for request_id in request_ids:
             self._stats.finished(request_id, "error")
-            self._close(request_id).fail(error)
         self._num_running = 0
+        self._post(self._on_failure, request_ids, error)
 
     def _report_stats(self) -> None:
+        core = self.engine.core
         expert_tokens = None
         now_s = time.monotonic()
         # A read waits for the device: about once a second, and when the engine goes idle (all counted).
-        due = now_s - self._expert_tokens_read_s >= EXPERT_TOKENS_INTERVAL_S or not self.engine.has_unfinished()
-        if due:
-            expert_tokens, self._expert_tokens_read_s = self.engine.take_expert_tokens(), now_s
-        stats = self._stats.collect(self.engine.scheduler, expert_tokens)  # collected even unread: nothing piles up
+        if now_s - self._expert_tokens_read_s >= EXPERT_TOKENS_INTERVAL_S or not core.has_unfinished():
+            expert_tokens, self._expert_tokens_read_s = core.take_expert_tokens(), now_s
+        stats = self._stats.collect(core.queue_stats(), expert_tokens)  # collected even unread: nothing piles up
+        self._num_running = stats.num_running
         self._stats_window.record(stats, now_s)
         if self._on_stats is not None:
             self._on_stats(stats)
 
     def _take_state(self) -> EngineState:
         """Engine thread only, between steps: the one place the console reads the scheduler and the allocator."""
-        return take_engine_state(self.engine.scheduler, self._stats_window, time.monotonic(), time.time())
+        return self.engine.core.engine_state(self._stats_window, time.monotonic(), time.time())

@@ -28,7 +28,10 @@ class EngineConfig:
     enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of computing them again.
     attention_backend: "auto" (the Triton kernels on CUDA, the C++ kernels on a CPU, the torch path where
         they cannot be built), "triton", "cpu" or "torch".
-    enforce_eager: run every step eagerly; by default, on CUDA, pure-decode steps replay CUDA graphs.
+    enforce_eager: run every step eagerly; by default, on CUDA, pure-decode steps replay CUDA graphs (on every
+        rank, with tensor parallelism too).
+    eager_graph_replay: for tests: capture the decode ladder on any device and replay it by running the forward
+        again on the same buffers (`EagerReplay`), so the padded-batch path of CUDA graphs runs where there is no GPU.
     tensor_parallel_size: ranks the model is split over (heads, MLP and vocabulary; each rank its own KV heads);
         kvserve starts the other ranks itself, or joins them under torchrun-style variables (README).
     tensor_parallel_timeout_s: how long a step's collective may wait for a rank before the engine gives up on it
@@ -51,6 +54,7 @@ class EngineConfig:
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    eager_graph_replay: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0

@@ -2,9 +2,10 @@
 
 A decode step launches a few hundred kernels of a few microseconds each; replaying a captured graph
 launches them all at once. A step whose requests all compute one token is padded to the next size
-of the ladder (`InputBuffers.prepare` with `num_padded_seqs`: padding rows read and write only the
-padding block) and replays that size's graph, which reads the persistent input buffers. Other steps
-(prompt chunks) run eagerly.
+of the ladder (its `StepPlan` adds padding sequences, which read and write only the padding block) and
+replays that size's graph, which reads the persistent input buffers. Other steps (prompt chunks) run
+eagerly. Every rank captures the same ladder and replays the size rank 0's plan names, so a graph's
+collectives (tensor parallelism) line up as an eager step's do.
 
 The graph does not depend on CUDA to be tested: `EagerReplay` runs the same forward again on the
 same buffers, so the padding and buffer logic is exercised on a CPU.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.engine.step_inputs import InputBuffers, StepInputs
+from kvserve.engine.step_plan import StepPlan
 from kvserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if kind is CudaGraph else None
         graphs = {}
         for size in sorted(sizes, reverse=True):
-            inputs = buffers.prepare(SchedulerOutput(scheduled=[]), num_padded_seqs=size)
+            ones, long_rope = [1] * size, buffers.long_rope is not None
+            inputs = buffers.prepare(StepPlan.in_padding_block(ones, ones, buffers.block_tables.padding_row, long_rope))
             # Kernels that size their launch by the longest context see the longest possible one.
             metadata = replace(inputs.metadata, seq_lens_cpu=[max_model_len] * size)
             inputs = replace(inputs, metadata=metadata)
@@ -82,12 +85,13 @@ class DecodeGraphs:
         logger.info("captured decode graphs for batch sizes %s in %.1f s", sorted(graphs), time.monotonic() - start_s)
         return cls(graphs)
 
-    def size_for(self, output: SchedulerOutput) -> int | None:
-        """The graph size a step replays: the smallest at least its batch, if every request decodes one token."""
+    def size_for(self, output: SchedulerOutput) -> int:
+        """The graph size a step replays: the smallest at least its batch, if every request decodes one token;
+        0 (run eagerly) otherwise."""
         num_seqs = len(output.scheduled)
         if not num_seqs or any(item.num_new_tokens != 1 for item in output.scheduled):
-            return None
-        return min((size for size in self.graphs if size >= num_seqs), default=None)
+            return 0
+        return min((size for size in self.graphs if size >= num_seqs), default=0)
 
     def replay(self, size: int) -> torch.Tensor:
         return self.graphs[size].replay()

@@ -1,19 +1,29 @@
 """The KV cache's size: a configured byte budget, or what the GPU has left after a warm-up; and the step limits."""
 
-import itertools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from kvserve.engine.model_runner import paged_kv_layers
 from kvserve.engine.models import DecoderConfig, DecoderForCausalLM
 from kvserve.engine.parallel.group import TensorParallelGroup
-from kvserve.kernels import AttentionBackend, AttentionMetadata, AttentionShape, select_attention_backend
+from kvserve.engine.step_inputs import InputBuffers, StepInputs
+from kvserve.engine.step_plan import StepPlan
+from kvserve.kernels import KernelBackend, PagedKV
 from kvserve.kvcache import KVCache, KVCacheSpec
 
 logger = logging.getLogger(__name__)
+
+
+def paged_kv_layers(kv_cache: KVCache) -> list[PagedKV]:
+    """Each layer's view of the cache, as the attention backends take it."""
+    data = zip(kv_cache.key_caches, kv_cache.value_caches, strict=True)
+    if not kv_cache.spec.quantized:
+        return [PagedKV(key, value) for key, value in data]
+    scales = zip(kv_cache.key_scales, kv_cache.value_scales, strict=True)
+    return [PagedKV(key, value, *scale) for (key, value), scale in zip(data, scales, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -38,10 +48,10 @@ def step_limits(config: EngineConfig, model_config: DecoderConfig) -> StepLimits
 
 def build_kv_cache(
     config: EngineConfig, model: DecoderForCausalLM, device: torch.device, limits: StepLimits,
-    group: TensorParallelGroup | None = None,
-) -> tuple[KVCache, AttentionBackend]:  # fmt: skip
+    backend: KernelBackend, group: TensorParallelGroup | None = None,
+) -> KVCache:  # fmt: skip
     """The KV cache of this rank's KV heads, as many blocks as the budget holds (with tensor parallelism, as many
-    as the tightest rank's budget holds: block ids mean the same on every rank), and the attention backend."""
+    as the tightest rank's budget holds: block ids mean the same on every rank)."""
     model_config, plan = model.config, model.plan
     spec = KVCacheSpec(
         num_layers=model_config.num_layers,
@@ -50,13 +60,11 @@ def build_kv_cache(
         dtype=config.torch_kv_cache_dtype(next(model.parameters()).dtype),
         block_size=config.block_size,
     )
-    shape = AttentionShape(config.max_num_seqs, plan.num_heads, model_config.head_dim)
-    backend = select_attention_backend(config.attention_backend, device, shape)
     budget_bytes = kv_cache_budget_bytes(config, model, spec, backend, device, limits.max_num_batched_tokens)
     num_blocks = spec.num_blocks_for_budget(budget_bytes)
     if group is not None:
         num_blocks = group.min_over_ranks(num_blocks)
-    return KVCache.allocate(spec, num_blocks, device), backend
+    return KVCache.allocate(spec, num_blocks, device)
 
 
 def log_kv_cache(model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device, model_dir) -> None:
@@ -75,7 +83,7 @@ def kv_cache_budget_bytes(
     config: EngineConfig,
     model: DecoderForCausalLM,
     spec: KVCacheSpec,
-    backend: AttentionBackend,
+    backend: KernelBackend,
     device: torch.device,
     warmup_tokens: int,
 ) -> int:
@@ -95,26 +103,33 @@ def kv_cache_budget_bytes(
     return budget
 
 
-def prefill_batch(num_tokens: int, max_len: int, block_size: int, device: torch.device):
-    """Whole prompts of at most `max_len` tokens, `num_tokens` in all, each in blocks of its own:
-    (positions, attention metadata, number of blocks they take)."""
-    query_lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-    blocks_per_seq = -(-max(query_lens) // block_size)
-    num_blocks = blocks_per_seq * len(query_lens)
-    block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).view(len(query_lens), blocks_per_seq)
-    lens = torch.tensor(query_lens, device=device)
-    seq_index = torch.repeat_interleave(torch.arange(len(query_lens), device=device), lens, output_size=num_tokens)
-    positions = torch.cat([torch.arange(n, device=device) for n in query_lens])
-    slot_mapping = block_tables[seq_index, positions // block_size].long() * block_size + positions % block_size
-    metadata = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
-        seq_lens=lens.to(torch.int32),
-        block_tables=block_tables,
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=query_lens,
-    )
-    return positions, metadata, num_blocks
+@dataclass(frozen=True)
+class MemoryProbe:
+    """The step that sizes the KV cache: whole prompts of at most `max_len` tokens, `num_tokens` in all, each in
+    blocks of its own (`num_blocks` of a scratch cache)."""
+
+    plan: StepPlan
+    num_blocks: int
+    blocks_per_seq: int
+
+    @classmethod
+    def of(cls, num_tokens: int, max_len: int, block_size: int) -> "MemoryProbe":
+        query_lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        num_seqs, blocks_per_seq = len(query_lens), -(-max(query_lens) // block_size)
+        entries = np.array([(row, column, row * blocks_per_seq + column)
+                            for row in range(num_seqs) for column in range(blocks_per_seq)], dtype=np.int64).T
+        plan = StepPlan(
+            input_ids=np.zeros(num_tokens, dtype=np.int64), query_lens=np.array(query_lens, dtype=np.int64),
+            seq_lens=np.array(query_lens, dtype=np.int64), rows=np.arange(num_seqs, dtype=np.int64),
+            logit_rows=np.array([num_tokens - 1], dtype=np.int64), table_entries=entries, sequence_lens=None,
+        )  # fmt: skip
+        return cls(plan, num_seqs * blocks_per_seq, blocks_per_seq)
+
+    def inputs(self, block_size: int, device: torch.device) -> StepInputs:
+        """The probe's inputs, built as every step's are (its blocks in a scratch cache of `num_blocks`)."""
+        plan = self.plan
+        buffers = InputBuffers(plan.num_seqs, plan.num_tokens, self.blocks_per_seq, block_size, self.num_blocks, device)
+        return buffers.prepare(plan)
 
 
 @torch.inference_mode()
@@ -123,15 +138,13 @@ def _warmup_peak_bytes(model, spec: KVCacheSpec, backend, device, num_tokens: in
 
     The budget is split into prompts no longer than the model's context, so no position exceeds it.
     """
-    positions, metadata, num_blocks = prefill_batch(
-        num_tokens, model.config.max_position_embeddings, spec.block_size, device
-    )
-    scratch = KVCache.allocate(spec, num_blocks, device)
+    probe = MemoryProbe.of(num_tokens, model.config.max_position_embeddings, spec.block_size)
+    scratch = KVCache.allocate(spec, probe.num_blocks, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    hidden = model(input_ids, positions, paged_kv_layers(scratch), metadata, backend)
-    model.compute_logits(hidden[-1:])
+    inputs = probe.inputs(spec.block_size, device)
+    hidden = model(inputs.input_ids, inputs.positions, paged_kv_layers(scratch), inputs.metadata, backend)
+    model.compute_logits(hidden.index_select(0, inputs.logit_rows), backend)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.total_bytes
     del scratch, hidden

@@ -6,6 +6,7 @@ from dataclasses import replace
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestDelta, RequestOutput
+from kvserve.engine.request import CoreRequest, GenerationRequest
 from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -37,23 +38,23 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        request_ids = []
-        try:
-            for prompt, prompt_params in zip(prompts, params_list, strict=True):
-                prompt = prompt if isinstance(prompt, str) else list(prompt)
-                request_ids.append(self.engine.add_request(prompt, prompt_params))
-        except Exception:
-            for request_id in request_ids:
-                self.engine.abort(request_id)
-            raise
-        deltas: dict[str, list[RequestDelta]] = {request_id: [] for request_id in request_ids}
+        # Every prompt is checked before any is queued: a bad one refuses the call and runs nothing.
+        inputs = self.engine.inputs
+        requests = []
+        for prompt, prompt_params in zip(prompts, params_list, strict=True):
+            prompt = prompt if isinstance(prompt, str) else list(prompt)
+            processed = inputs.process(GenerationRequest([prompt], prompt_params))
+            request_id = self.engine.new_request_id()
+            requests.append(CoreRequest(request_id, processed.prompt_token_ids[0], processed.params[0]))
+        for request in requests:
+            self.engine.submit(request)
+        deltas: dict[str, list[RequestDelta]] = {request.request_id: [] for request in requests}
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 deltas[delta.request_id].append(delta)
         outputs = []
-        for request_id, prompt in zip(request_ids, prompts, strict=True):
-            whole = RequestDelta.merge(deltas[request_id])
-            prompt_token_ids = self.engine.tokenize_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-            outputs.append(RequestOutput(request_id, prompt_token_ids, whole.token_ids, whole.text, whole.logprobs,
-                                         whole.finish_reason, whole.prompt_logprobs))  # fmt: skip
+        for request in requests:
+            whole = RequestDelta.merge(deltas[request.request_id])
+            outputs.append(RequestOutput(request.request_id, request.prompt_token_ids, whole.token_ids, whole.text,
+                                         whole.logprobs, whole.finish_reason, whole.prompt_logprobs))  # fmt: skip
         return outputs

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig
 
-from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, decoder_config_from_hf
-from kvserve.engine.models.layers import PackedLinear, RMSNorm, pack_linear_weights
+from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, architecture_of, decoder_config_from_hf
+from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm
 from kvserve.engine.models.moe import Experts, SparseMoeBlock
 from kvserve.engine.models.rope import RotaryEmbedding
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
+from kvserve.kernels import KernelBackend
 
 # Buffers some checkpoints carry that kvserve recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,10 +48,12 @@ def load_model(
     With a tensor-parallel `group`, this rank's shard only, read from the checkpoint slice by slice.
     """
     model_dir = Path(model_dir)
-    config = load_decoder_config(model_dir)
+    hf_config = _hf_config(model_dir)
+    architecture = architecture_of(hf_config)
+    config = architecture.build_config(hf_config)
     plan = ShardPlan.of(config, group.rank, group.size) if group is not None else ShardPlan(config)
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, plan, group).to(dtype)
+        model = architecture.model_class(config, plan, group).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
     if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases
@@ -67,15 +71,25 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.add_(config.norm_weight_offset)
-    if pack_linear_weights(model):
-        for module in model.modules():
-            if isinstance(module, Experts):
-                module.pack_weights()
     return model.eval()
 
 
+def prepare_weights(model: nn.Module, backend: KernelBackend) -> None:
+    """Give every linear layer and expert block the backend's own form of its weights (on a CPU, oneDNN's packed
+    copies), made once, now that the weights are loaded."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.prepared = backend.prepare_linear(module.weight)
+        elif isinstance(module, Experts):
+            module.prepared = backend.prepare_experts(module.gate_up_weight, module.down_weight)
+
+
 def load_decoder_config(model_dir: Path) -> DecoderConfig:
-    return decoder_config_from_hf(AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False))
+    return decoder_config_from_hf(_hf_config(model_dir))
+
+
+def _hf_config(model_dir: Path):
+    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
 def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:

@@ -1,13 +1,18 @@
 """What the engine reports about a request: a delta after each step, and the whole of it offline."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)  # not frozen, as the others made every step (a frozen init is 4x slower)
 class TokenLogprob:
+    """A token's log-probability and its likeliest alternatives (most likely first). The core fills the ids and
+    numbers; the output processor the texts (each token decoded alone), which the protocols show."""
+
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+    token: str = ""
+    top_tokens: list[str] = field(default_factory=list)  # the text of each of top_logprobs
 
 
 @dataclass(slots=True)  # not frozen: one per request per step, and a frozen init is 4x slower

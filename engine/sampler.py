@@ -9,7 +9,7 @@ in any batch. Requests without a seed share the engine's generator (seeded from 
 `seed`), drawn for all of them at once: their tokens depend on what else is in the batch.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance
 import torch
@@ -60,6 +60,14 @@ class SamplingRow:
     logit_bias: LogitBias | None = None
     grammar: llguidance.LLMatcher | None = None  # structured outputs: what the request's output may continue with
     banned_token_ids: tuple[int, ...] = ()  # never sampled this step (EOS and stop ids before min_tokens)
+    # Greedy with nothing else to apply or report: the common row, which a step need not look into further.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        special = params.logprobs is not None or not params.is_greedy or self.banned_token_ids
+        special = special or self.penalties is not None or self.logit_bias is not None or self.grammar is not None
+        object.__setattr__(self, "plain", not special)
 
 
 @dataclass(slots=True)  # not frozen: one per request per step, and a frozen init is 4x slower
@@ -92,22 +100,28 @@ def sample(
     """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows and
     `token_masks` applies the grammars of rows that have one."""
     device = logits.device
-    logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    logprob_rows, penalized, constrained, random_rows, biased, banned = [], [], [], [], False, False
+    for i, row in enumerate(rows):  # one pass, past the plain rows at once
+        if row.plain:
+            continue
+        logprob_rows += [i] if row.params.logprobs is not None else []
+        penalized += [i] if row.penalties is not None else []
+        constrained += [i] if row.grammar is not None else []
+        random_rows += [] if row.params.is_greedy else [i]
+        biased = biased or row.logit_bias is not None
+        banned = banned or bool(row.banned_token_ids)
     logprob_index = to_device(logprob_rows, torch.long, device) if logprob_rows else None
     # Logprobs come from the raw logits, before penalties and temperature.
     raw_logprobs = torch.log_softmax(logits[logprob_index], -1) if logprob_rows else None
-    penalized = [i for i, row in enumerate(rows) if row.penalties is not None]
     if penalized:
         logits = _apply_penalties(logits, [rows[i] for i in penalized], to_device(penalized, torch.long, device))
-    if any(row.logit_bias is not None for row in rows):
+    if biased:
         logits = _add_logit_bias(logits, rows)
-    if any(row.banned_token_ids for row in rows):
+    if banned:
         logits = _ban_tokens(logits, rows)
-    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
     if constrained:
         logits = token_masks.apply(logits, constrained, [rows[i].grammar for i in constrained])
     token_ids = logits.argmax(dim=-1)
-    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
         index = to_device(random_rows, torch.long, device)
         token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows], generator)

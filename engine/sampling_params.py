@@ -1,7 +1,7 @@
 """Per-request sampling and stopping settings, validated at the engine boundary."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvserve.engine.errors import InvalidRequestError
@@ -14,11 +14,13 @@ MAX_LOGIT_BIAS = 100.0
 class GrammarSpec:
     """What a request's output must match (structured outputs): a JSON schema (JSON text), any JSON
     object, a regular expression, one of a list of strings (JSON text of the list), or an EBNF grammar.
-    `strict` (JSON schema only): properties the schema does not name are not generated."""
+    `strict` (JSON schema only): properties the schema does not name are not generated. `param`: the request
+    field it came from, which an error names (not part of what the grammar is: equal grammars share a build)."""
 
     kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
     source: str = ""
     strict: bool = True
+    param: str = field(default="structured_output", compare=False)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class SamplingParams:
     `structured_output`: only tokens that keep the output inside the grammar are sampled.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context window (resolved by the input processor)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

@@ -8,9 +8,9 @@ per scheduled request, so it costs the loop next to nothing.
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.step_result import StepResult
 from kvserve.kvcache import KVUsage
-from kvserve.scheduler import RequestStatus, Scheduler, SchedulerOutput
+from kvserve.scheduler import SchedulerStats
 
 # Reasons a request can finish with; "error" is a failed step or a request the engine refused late.
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -79,10 +79,10 @@ class StatsTracker:
     def arrived(self, request_id: str, num_prompt_tokens: int, arrival_s: float) -> None:
         self._times[request_id] = _RequestTimes(arrival_s, num_prompt_tokens)
 
-    def stepped(self, output: SchedulerOutput, deltas: list[RequestDelta], start_s: float, end_s: float) -> None:
+    def stepped(self, result: StepResult, start_s: float, end_s: float) -> None:
         """Account for one model step: what it batched, the tokens it produced (at `end_s`; held back or
         not) and the requests it finished."""
-        pending = self._pending
+        pending, output = self._pending, result.scheduled
         # One model step per loop iteration, so these describe that step (for the per-step histograms).
         pending.num_batched_requests = len(output.scheduled)
         pending.num_batched_tokens = output.num_batched_tokens
@@ -93,9 +93,9 @@ class StatsTracker:
                 times.first_scheduled_s = start_s
             if times is not None and item.samples_next_token:
                 self._on_token(times, end_s)
-        for delta in deltas:
-            if delta.finished:
-                self.finished(delta.request_id, delta.finish_reason)
+        for core_output in result.outputs:
+            if core_output.finish_reason is not None:
+                self.finished(core_output.request_id, core_output.finish_reason.value)
 
     def finished(self, request_id: str, reason: str) -> None:
         """A request that ended, in a step or outside one (abort, failure)."""
@@ -106,15 +106,15 @@ class StatsTracker:
         if reason in ("stop", "length"):
             self._pending.completed.append(_completed(times))
 
-    def collect(self, scheduler: Scheduler, expert_tokens: list[int] | None = None) -> StepStats:
+    def collect(self, queues: SchedulerStats, expert_tokens: list[int] | None = None) -> StepStats:
         """Everything since the last call, with the queues and KV cache as they are now."""
         pending, self._pending = self._pending, _Pending()
-        queried, hit = scheduler.prefix_cache_queried_tokens, scheduler.prefix_cache_hit_tokens
+        queried, hit = queues.prefix_cache_queried_tokens, queues.prefix_cache_hit_tokens
         stats = StepStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_preempted_waiting=sum(request.status is RequestStatus.PREEMPTED for request in scheduler.waiting),
-            kv_usage=scheduler.kv_usage(),
+            num_running=queues.num_running,
+            num_waiting=queues.num_waiting,
+            num_preempted_waiting=queues.num_preempted_waiting,
+            kv_usage=queues.kv_usage,
             num_batched_requests=pending.num_batched_requests,
             num_batched_tokens=pending.num_batched_tokens,
             num_prompt_tokens=pending.num_prompt_tokens,

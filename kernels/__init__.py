@@ -1,31 +1,34 @@
-"""Attention over the paged KV cache: torch reference paths, Triton kernels and the backend the models call.
+"""The kernels a model runs: GEMMs, attention over the paged KV cache, fused layer ops and mixture-of-experts MLPs;
+torch reference paths, C++ kernels for CPUs, Triton kernels for CUDA, and the registry of backends that bundle
+them per device.
 
-Importing this package does not import triton; `select_attention_backend` does, when it is asked for
-the Triton backend.
+Importing this package does not import triton; `select_backend` does, when it is asked for the Triton backend.
 """
 
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.backend import (
     BACKEND_NAMES,
-    AttentionBackend,
+    BACKENDS,
     AttentionShape,
-    TorchAttentionBackend,
+    KernelBackend,
+    TorchBackend,
     check_backend_name,
-    select_attention_backend,
+    select_backend,
 )
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.torch_paged_attention import paged_attention, quantize_per_token_head, store_kv
 
 __all__ = [
+    "BACKENDS",
     "BACKEND_NAMES",
-    "AttentionBackend",
     "AttentionMetadata",
     "AttentionShape",
+    "KernelBackend",
     "PagedKV",
-    "TorchAttentionBackend",
+    "TorchBackend",
     "check_backend_name",
     "paged_attention",
     "quantize_per_token_head",
-    "select_attention_backend",
+    "select_backend",
     "store_kv",
 ]

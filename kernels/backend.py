@@ -1,29 +1,44 @@
-"""The backend a model calls for its kernels: a KV store and a paged attention over the same cache,
-the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary embeddings) and the
-mixture-of-experts MLPs; and the choice of backend per device."""
+"""The kernel backend a model calls for everything that is not plain tensor glue: the GEMMs of its linear layers, a
+KV store and a paged attention over the same cache, the fused layer ops (RMSNorm, residual add + RMSNorm,
+SiLU-and-mul, rotary embeddings) and the mixture-of-experts MLPs; and the registry a backend is chosen from, by
+name, for a device.
+
+A backend may keep its own form of a weight, made once at load time (`prepare_linear`, `prepare_experts`: the CPU
+backend's oneDNN packing; later, quantized forms), which the layer holds and hands back on every call.
+"""
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kernels import torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
-from kvserve.kernels.cpu_backend import CpuAttentionBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.torch_layer_ops import TorchLayerOps
 
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
-
-class AttentionBackend(Protocol):
+class KernelBackend(Protocol):
     """Ops that take their inputs by value may reuse them: `add_rms_norm` may write its results into
     `x` and `residual`, `rotary_embedding` may rotate `query` and `key` in place. Callers use the
     returned tensors and never the inputs again."""
 
     name: str
+
+    def prepare_linear(self, weight: torch.Tensor) -> object | None:
+        """This backend's own form of a linear layer's weight [out, in], made once at load time (None: it uses the
+        weight as it is)."""
+        ...
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: object | None
+    ) -> torch.Tensor:
+        """`F.linear(x, weight, bias)`, on `prepared` (what `prepare_linear` made of `weight`) where there is one."""
+        ...
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
 
@@ -51,6 +66,10 @@ class AttentionBackend(Protocol):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def prepare_experts(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> object | None:
+        """This backend's own form of a mixture-of-experts block's stacked weights (None: it uses them as they are)."""
+        ...
+
     def fused_moe(
         self,
         hidden: torch.Tensor,
@@ -58,12 +77,14 @@ class AttentionBackend(Protocol):
         down_weight: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        prepared: object | None = None,
     ) -> torch.Tensor:
         """Mixture-of-experts MLPs: out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with
         e = topk_ids[t, k], for hidden [tokens, hidden_size]. gate_up_weight [experts, 2 * intermediate, hidden_size]
         (gate rows, then up) and down_weight [experts, hidden_size, intermediate] share hidden's dtype;
         topk_weights [tokens, top_k] (fp32, normalised by the caller), topk_ids [tokens, top_k] (in [0, experts)).
-        Returns a new [tokens, hidden_size] tensor in hidden's dtype."""
+        `prepared`: what `prepare_experts` made of the weights. Returns a new [tokens, hidden_size] tensor in
+        hidden's dtype."""
         ...
 
 
@@ -76,8 +97,22 @@ class AttentionShape:
     head_dim: int
 
 
+class TorchGemm:
+    """Linear layers with `F.linear` on the weights as they are: for backends whose GEMM is the framework's own
+    (cuBLAS on CUDA)."""
+
+    def prepare_linear(self, weight: torch.Tensor) -> None:
+        return None
+
+    def linear(self, x, weight, bias, prepared) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def prepare_experts(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
+        return None
+
+
 @dataclass(frozen=True)
-class TorchAttentionBackend(TorchLayerOps):
+class TorchBackend(TorchGemm, TorchLayerOps):
     """Pure torch path: runs on any device; the reference the C++ and Triton kernels are tested against."""
 
     name: str = "torch"
@@ -89,28 +124,65 @@ class TorchAttentionBackend(TorchLayerOps):
         return torch_paged_attention.paged_attention(query, cache, metadata, scale, sliding_window, logit_softcap)
 
 
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registered backend: why it cannot run on a device (None: it can), and how to build it for one."""
+
+    unavailable_on: Callable[[torch.device], str | None]
+    build: Callable[[torch.device, AttentionShape], KernelBackend]
+
+
+def _cpu_backend_unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"it runs on a CPU device (got {device.type})"
+    return None if load_cpu_kernels() else "its C++ kernels could not be built (the log says why)"
+
+
+def _build_cpu_backend(device: torch.device, shape: AttentionShape) -> KernelBackend:
+    from kvserve.kernels.cpu_backend import CpuBackend
+
+    return CpuBackend()
+
+
+def _triton_unavailable(device: torch.device) -> str | None:
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (
+        f"it needs a CUDA device (got {device.type}); on the CPU the Triton interpreter runs it when "
+        "TRITON_INTERPRET=1 is set before triton is imported (slow: for tests)"
+    )
+
+
+def _build_triton_backend(device: torch.device, shape: AttentionShape) -> KernelBackend:
+    from kvserve.kernels.triton_backend import TritonBackend  # imports triton, which CPU-only setups may lack
+
+    return TritonBackend.create(shape, device)
+
+
+BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry(lambda device: None, lambda device, shape: TorchBackend()),
+    "cpu": BackendEntry(_cpu_backend_unavailable, _build_cpu_backend),
+    "triton": BackendEntry(_triton_unavailable, _build_triton_backend),
+}
+# What `auto` picks on each kind of device: the first of these that can run there.
+AUTO_ORDER = {"cuda": ("triton",), "cpu": ("cpu", "torch")}
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
 def check_backend_name(name: str) -> None:
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
 
 
-def select_attention_backend(name: str, device: torch.device, shape: AttentionShape) -> AttentionBackend:
-    """`auto`: the Triton kernels on CUDA, the C++ kernels on a CPU (the torch path if they cannot be
-    built); `torch`, `cpu` or `triton` force one."""
+def select_backend(name: str, device: torch.device, shape: AttentionShape) -> KernelBackend:
+    """The backend registered as `name`, for `device`; `auto`: the first of the device's `AUTO_ORDER` that can run
+    there (the Triton kernels on CUDA, the C++ kernels on a CPU, else the torch path)."""
     check_backend_name(name)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if load_cpu_kernels() else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "cpu":
-        if device.type != "cpu" or not load_cpu_kernels():
-            raise ValueError(f"attention_backend 'cpu' needs a CPU device and the C++ kernels (device {device.type})")
-        return CpuAttentionBackend()
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"attention_backend 'triton' needs a CUDA device (got {device.type}); on the CPU the Triton "
-            "interpreter runs it when TRITON_INTERPRET=1 is set before triton is imported (slow: for tests)"
-        )
-    from kvserve.kernels.triton_backend import TritonAttentionBackend  # imports triton, which CPU-only setups may lack
-
-    return TritonAttentionBackend.create(shape, device)
+        candidates = AUTO_ORDER.get(device.type, ("torch",))
+        name = next((n for n in candidates if BACKENDS[n].unavailable_on(device) is None), "torch")
+    entry = BACKENDS[name]
+    why_not = entry.unavailable_on(device)
+    if why_not is not None:
+        raise ValueError(f"attention_backend {name!r} cannot run here: {why_not}")
+    return entry.build(device, shape)

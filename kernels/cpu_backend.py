@@ -1,21 +1,34 @@
-"""The CPU backend: the C++ kernels (KV store, decode attention, fused layer ops), torch SDPA for prompt chunks,
-the torch path for mixture-of-experts MLPs."""
+"""The CPU backend: oneDNN GEMMs on weights packed at load time (linear layers and experts), the C++ kernels (KV
+store, decode attention, fused layer ops), torch SDPA for prompt chunks."""
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvserve.kernels import torch_moe, torch_paged_attention
+from kvserve.kernels import onednn, torch_moe, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.paged_kv import PagedKV
 
 
 @dataclass(frozen=True)
-class CpuAttentionBackend:
+class CpuBackend:
     """Decodes (the leading one-token requests) go to one C++ call for the whole batch; prompt chunks
-    are few per step and long, and the torch path hands each to SDPA's flash kernel."""
+    are few per step and long, and the torch path hands each to SDPA's flash kernel. Linear layers and experts
+    run on oneDNN's packed copies of their weights where this CPU packs their dtype (see kernels/onednn.py)."""
 
     name: str = "cpu"
+
+    def prepare_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return onednn.pack(weight) if onednn.can_pack(weight) else None
+
+    def linear(self, x, weight, bias, prepared) -> torch.Tensor:
+        if prepared is None:
+            return F.linear(x, weight, bias)
+        return onednn.packed_linear(x, prepared, bias)
+
+    def prepare_experts(self, gate_up_weight, down_weight) -> torch_moe.OneDnnExperts | None:
+        return torch_moe.OneDnnExperts(gate_up_weight, down_weight) if onednn.can_pack(gate_up_weight) else None
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None:
         torch.ops.kvserve_cpu.store_kv(
@@ -58,6 +71,7 @@ class CpuAttentionBackend:
         torch.ops.kvserve_cpu.rotary_embedding(positions, query, key, cos, sin)
         return query, key
 
-    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
-        # Models whose weights could be packed for oneDNN run their experts there instead (`OneDnnExperts`).
+    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids, prepared=None) -> torch.Tensor:
+        if prepared is not None:
+            return prepared.fused_moe(hidden, topk_weights, topk_ids)
         return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

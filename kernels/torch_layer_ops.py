@@ -60,5 +60,5 @@ class TorchLayerOps:
     def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_embedding(positions, query, key, cos, sin)
 
-    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
+    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids, prepared=None) -> torch.Tensor:
         return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

@@ -80,10 +80,6 @@ class OneDnnExperts:
         self.gate_up = [onednn.pack(weight) for weight in gate_up_weight]
         self.down = [onednn.pack(weight) for weight in down_weight]
 
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return onednn.can_pack(weight)
-
     def fused_moe(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`fused_moe` on the packed weights."""
         return combine_experts(hidden, topk_weights, topk_ids, len(self.gate_up), self._expert_mlp)

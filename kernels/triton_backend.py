@@ -1,5 +1,5 @@
-"""The Triton attention backend: every KV write and attention call of a step, the layer ops and the
-mixture-of-experts MLPs through our kernels."""
+"""The Triton backend: every KV write and attention call of a step, the layer ops and the mixture-of-experts MLPs
+through our kernels; linear layers through torch's GEMM (cuBLAS)."""
 
 from dataclasses import dataclass
 
@@ -8,7 +8,7 @@ import triton
 
 from kvserve.kernels import triton_layer_ops, triton_moe
 from kvserve.kernels.attention_metadata import AttentionMetadata
-from kvserve.kernels.backend import AttentionShape
+from kvserve.kernels.backend import AttentionShape, TorchGemm
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kvserve.kernels.triton_extend_attention import paged_extend_attention
@@ -29,7 +29,7 @@ def num_decode_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, targ
 
 
 @dataclass(frozen=True)
-class TritonAttentionBackend:
+class TritonBackend(TorchGemm):
     """Decodes (the leading one-token requests) run the split-KV decode kernel, the rest the
     extend kernel; both write rows of one output, so each row is written exactly once. A sliding
     window and a soft-cap select compiled variants of both kernels (see `attention_options`)."""
@@ -39,7 +39,7 @@ class TritonAttentionBackend:
     name: str = "triton"
 
     @classmethod
-    def create(cls, shape: AttentionShape, device: torch.device) -> "TritonAttentionBackend":
+    def create(cls, shape: AttentionShape, device: torch.device) -> "TritonBackend":
         workspace = DecodeWorkspace.allocate(
             shape.max_num_seqs, shape.num_heads, shape.head_dim, MAX_DECODE_SEGMENTS, device
         )
@@ -101,5 +101,5 @@ class TritonAttentionBackend:
     def rotary_embedding(self, positions, query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_layer_ops.rotary_embedding(positions, query, key, cos, sin)
 
-    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids) -> torch.Tensor:
+    def fused_moe(self, hidden, gate_up_weight, down_weight, topk_weights, topk_ids, prepared=None) -> torch.Tensor:
         return triton_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)

@@ -3,7 +3,7 @@
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
 
 __all__ = [
     "FinishReason",
@@ -13,4 +13,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SchedulerStats",
 ]

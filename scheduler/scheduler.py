@@ -12,7 +12,7 @@ from collections import deque
 from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage, root_digest
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
-from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
 
 
 class Scheduler:
@@ -27,8 +27,6 @@ class Scheduler:
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
         self._left_running: list[str] = []  # since the last schedule()
-        # The latest step's decision, kept for the engine's stats (batch size, queue and prefill times).
-        self.last_output = SchedulerOutput(scheduled=[])
 
     @property
     def num_unfinished(self) -> int:
@@ -47,30 +45,47 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, ScheduledRequest] = {}
         preempted: list[Request] = []
-        decoding = [request for request in self.running if request.num_uncomputed_tokens == 1]
-        prefilling = [request for request in self.running if request.num_uncomputed_tokens > 1]
-        for request in decoding + prefilling:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop to make room for an older request
-            num_new_tokens = self._num_tokens_to_run(request.num_uncomputed_tokens, token_budget)
-            if not num_new_tokens:
-                continue
-            num_preempted_before = len(preempted)
-            granted = self._grow_or_preempt(request, num_new_tokens, preempted)
-            # A newer request preempted for an older prefill may have been scheduled already (decodes
-            # go first): it leaves this step and gives its tokens back.
-            for victim in preempted[num_preempted_before:]:
-                dropped = scheduled.pop(victim, None)
-                token_budget += dropped.num_new_tokens if dropped else 0
-            if granted:
-                scheduled[request] = ScheduledRequest.of(request, num_new_tokens)
-                token_budget -= num_new_tokens
+        decoding, prefilling = [], []
+        for request in self.running:
+            (decoding if request.num_uncomputed_tokens == 1 else prefilling).append(request)
+        block_size = self.block_size
+        for request in decoding:
+            # The common case, kept short (it runs for every decoding request every step): one token into the
+            # room left in its last block.
+            computed = request.num_computed_tokens
+            if token_budget and computed < len(request.block_ids) * block_size:
+                scheduled[request] = ScheduledRequest(request, 1, computed, True)
+                token_budget -= 1
+            elif request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
+                token_budget = self._schedule_growing(request, token_budget, scheduled, preempted)
+        for request in prefilling:
+            if request.status is RequestStatus.RUNNING:
+                token_budget = self._schedule_growing(request, token_budget, scheduled, preempted)
         scheduled_items = list(scheduled.values())
         if not preempted:
             self._admit_waiting(token_budget, scheduled_items)
         left_running, self._left_running = self._left_running, []
-        self.last_output = SchedulerOutput(scheduled=scheduled_items, preempted=preempted, left_running=left_running)
-        return self.last_output
+        return SchedulerOutput(scheduled=scheduled_items, preempted=preempted, left_running=left_running)
+
+    def _schedule_growing(
+        self, request: Request, token_budget: int, scheduled: dict[Request, ScheduledRequest], preempted: list[Request]
+    ) -> int:
+        """Schedule what of `request` fits the budget, preempting the newest requests if it needs blocks that are
+        not free; the budget left."""
+        num_new_tokens = self._num_tokens_to_run(request.num_uncomputed_tokens, token_budget)
+        if not num_new_tokens:
+            return token_budget
+        num_preempted_before = len(preempted)
+        granted = self._grow_or_preempt(request, num_new_tokens, preempted)
+        # A newer request preempted for an older one may have been scheduled already (decodes go first): it
+        # leaves this step and gives its tokens back.
+        for victim in preempted[num_preempted_before:]:
+            dropped = scheduled.pop(victim, None)
+            token_budget += dropped.num_new_tokens if dropped else 0
+        if granted:
+            scheduled[request] = ScheduledRequest.of(request, num_new_tokens)
+            token_budget -= num_new_tokens
+        return token_budget
 
     def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> None:
         """Record a finished step: computed tokens advance, sampling requests get their token.
@@ -78,12 +93,16 @@ class Scheduler:
         `sampled_token_ids` holds one id per scheduled request that samples, in schedule order.
         """
         sampled = iter(sampled_token_ids)
+        caching, block_size = self.config.enable_prefix_caching, self.block_size
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
             if item.samples_next_token:
-                item.request.output_token_ids.append(next(sampled))
-            if self.config.enable_prefix_caching and item.request.caches_blocks:
-                self._register_full_blocks(item.request)
+                request.output_token_ids.append(next(sampled))
+            # Checked here, not in a call per request: a block fills only every block_size tokens.
+            full_blocks = request.num_computed_tokens // block_size
+            if caching and request.caches_blocks and full_blocks > request.num_registered_blocks:
+                self._register_full_blocks(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Take a request out of the queues, wherever it is, and free its blocks at once."""
@@ -113,6 +132,16 @@ class Scheduler:
         if request is not None:
             self.finish(request, FinishReason.ABORT)
         return request
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_waiting=sum(request.status is RequestStatus.PREEMPTED for request in self.waiting),
+            kv_usage=self.kv_usage(),
+            prefix_cache_queried_tokens=self.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
+        )
 
     def kv_usage(self) -> KVUsage:
         return KVUsage(
@@ -201,8 +230,6 @@ class Scheduler:
 
     def _register_full_blocks(self, request: Request) -> None:
         num_full_blocks = request.num_computed_tokens // self.block_size
-        if num_full_blocks <= request.num_registered_blocks:
-            return
         self._extend_block_keys(request, num_full_blocks)
         for index in range(request.num_registered_blocks, num_full_blocks):
             self.allocator.register(request.block_ids[index], request.block_keys[index])

@@ -1,7 +1,8 @@
-"""What the scheduler decided for one step."""
+"""What the scheduler decided for one step, and its queues between steps."""
 
 from dataclasses import dataclass, field
 
+from kvserve.kvcache import KVUsage
 from kvserve.scheduler.request import Request
 
 
@@ -41,3 +42,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The queues and the KV cache as they are between two steps."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int  # waiting again after a preemption, to be recomputed
+    kv_usage: KVUsage
+    prefix_cache_queried_tokens: int  # totals since start
+    prefix_cache_hit_tokens: int

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.server.chat import create_chat_completion, render_chat_prompt
+from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.console import ConsoleFiles
 from kvserve.server.context import ServerContext
@@ -112,13 +112,13 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/v1/models", dependencies=authorized, response_model=ModelList, responses=error_responses(401))
     async def list_models():
-        return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
+        return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.engine.max_model_len)])
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized, response_model=ModelCard,
              responses=error_responses(401, 404))  # fmt: skip
     async def get_model(model_id: str):
         ctx.check_model(model_id)
-        return ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)
+        return ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.engine.max_model_len)
 
     @app.post("/v1/completions", dependencies=authorized, responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
@@ -144,19 +144,18 @@ def create_app(ctx: ServerContext) -> FastAPI:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            tokens = render_chat_prompt(ctx, body.messages, add_generation_prompt=True)
-        else:
-            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+        prompt = body.prompt if body.messages is None else chat_prompt(body.messages, add_generation_prompt=True)
+        tokens = ctx.engine.tokenize(prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.engine.max_model_len}
 
     @app.post("/detokenize", dependencies=authorized, response_model=DetokenizeResponse,
               responses=error_responses(400, 401, 404))  # fmt: skip
     async def detokenize(body: DetokenizeRequest):
         ctx.check_known_fields(body)
         ctx.check_model(body.model)
-        ctx.engine.engine.tokenize_prompt(body.tokens)  # range-checks the ids
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        if not body.tokens:
+            raise APIError(400, "tokens must not be empty", param="tokens")
+        return {"prompt": ctx.engine.decode(body.tokens, skip_special_tokens=False)}
 
     if ctx.settings.console:
         # The pages hold no data and are open: a browser cannot send a bearer token when it navigates. Every

@@ -1,58 +1,50 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions: the request as the engine's `GenerationRequest` (messages as a `ChatPrompt` the
+engine renders with the chat template), its choices as OpenAI's response or stream chunks."""
 
 import json
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.engine import TokenLogprob
+from kvserve.engine.request import ChatPrompt, GenerationRequest
 from kvserve.engine.sampling_params import MAX_LOGPROBS
-from kvserve.server.context import ServerContext
+from kvserve.server.context import ServerContext, sampling_params
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import Choice, Generation, sse_stream
 from kvserve.server.logprobs import vllm_prompt_logprobs
 from kvserve.server.protocol import (
     ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatDelta,
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ToolCallDeltaOut,
     ToolCallFunction,
+    ToolCallFunctionDelta,
     ToolCallOut,
     TopLogprob,
+    Usage,
     random_id,
 )
-from kvserve.server.structured_outputs import compile_grammar, compiled_grammar
+from kvserve.server.structured_outputs import grammar_of
 from kvserve.server.supported_fields import check_chat_fields
 from kvserve.server.tool_calling import ToolPlan, plan_tools
 from kvserve.server.tool_parsers import ParsedOutput, ToolCallDelta
 
 
-def render_chat_prompt(
-    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict] | None = None
-) -> list[int]:
-    """Apply the chat template (the server's override, else the tokenizer's) and tokenize."""
-    if not messages:
-        raise bad_request("messages must not be empty", param="messages")
-    template = ctx.chat_template or ctx.tokenizer.chat_template
-    if template is None:
-        raise bad_request("this model has no chat template; start the server with --chat-template", param="messages")
-    if tools and "tools" not in template:
-        raise bad_request("this model's chat template does not support tools", param="tools")
+def chat_prompt(
+    messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> ChatPrompt:
+    """The conversation as the engine's input processor renders it with the chat template."""
     conversation = [_template_message(message, index) for index, message in enumerate(messages)]
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            conversation, tools=tools, chat_template=template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )  # fmt: skip
-    except jinja2.TemplateError as error:
-        raise bad_request(f"the chat template rejected these messages: {error}", param="messages") from None
-    # The template writes any BOS it wants; encoding must not add a second one.
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    return ChatPrompt(conversation, tools, add_generation_prompt)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict:
@@ -108,32 +100,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         # Checked here, as the engine would name its own field, `logprobs`.
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
     tool_plan = plan_tools(body, ctx.settings.tool_call_parser)
-    grammar = await compiled_grammar(ctx, body)
-    if tool_plan.grammar is not None:
-        if grammar is not None:
-            raise bad_request("a forced tool call cannot be combined with response_format", param="tool_choice")
-        await compile_grammar(ctx, "tools", tool_plan.grammar)
-    prompt = ctx.engine.engine.tokenize_prompt(
-        render_chat_prompt(ctx, body.messages, body.add_generation_prompt, tool_plan.template_tools)
-    )
+    grammar = grammar_of(body)
+    if tool_plan.grammar is not None and grammar is not None:
+        raise bad_request("a forced tool call cannot be combined with response_format", param="tool_choice")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = ctx.max_model_len - len(prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = ctx.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
-
-    generation = Generation(ctx.engine, random_id("chatcmpl"), ctx.model_name, ctx.count_disconnect)
-    generation.submit([prompt], params, body.n, body.cache_salt)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
+    prompt = chat_prompt(body.messages, body.add_generation_prompt, tool_plan.template_tools)
+    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt)
+    generation = await Generation.start(ctx.engine, engine_request, random_id("chatcmpl"), ctx.count_disconnect)
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, tool_plan)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
 
     await generation.run_to_end(request)
-    choices = [_choice(ctx, choice, tool_plan) for choice in generation.choices]
+    choices = [_choice(choice, tool_plan) for choice in generation.choices]
     response = ChatCompletionResponse(
         id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
         usage=generation.usage(),
-        prompt_logprobs=vllm_prompt_logprobs(ctx, body.prompt_logprobs, generation.choices[0].prompt_logprobs),
+        prompt_logprobs=vllm_prompt_logprobs(body.prompt_logprobs, generation.choices[0].prompt_logprobs),
     )  # fmt: skip
     payload = response.model_dump()
     if payload["prompt_logprobs"] is None:
@@ -144,7 +129,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return JSONResponse(payload)
 
 
-def _choice(ctx: ServerContext, choice: Choice, tool_plan: ToolPlan) -> ChatChoice:
+def _choice(choice: Choice, tool_plan: ToolPlan) -> ChatChoice:
     parsed = ParsedOutput(choice.text, [])
     if tool_plan.parser is not None:
         parsed = tool_plan.parser.parse(choice.text)
@@ -156,7 +141,7 @@ def _choice(ctx: ServerContext, choice: Choice, tool_plan: ToolPlan) -> ChatChoi
     )
     return ChatChoice(
         index=choice.index, message=message, finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
-        logprobs=_logprobs(ctx, choice.logprobs) if choice.logprobs is not None else None,
+        logprobs=_logprobs(choice.logprobs) if choice.logprobs is not None else None,
     )  # fmt: skip
 
 
@@ -166,16 +151,16 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
 
 async def _stream_chunks(
     body: ChatCompletionRequest, ctx: ServerContext, generation: Generation, tool_plan: ToolPlan
-) -> AsyncIterator[dict]:
-    object_name = "chat.completion.chunk"
+) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=ctx.model_name,
+                                   choices=choices, usage=usage)  # fmt: skip
+
     parsers = {choice.index: tool_plan.parser.streaming() for choice in generation.choices if tool_plan.parser}
     called_tools: set[int] = set()
     for choice in generation.choices:
-        delta = {"role": "assistant", "content": ""}
-        yield generation.chunk(object_name, [{"index": choice.index, "delta": delta, "logprobs": None,
-                                              "finish_reason": None}])  # fmt: skip
+        yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
     async for choice, delta in generation.updates():
-        logprobs = _logprobs(ctx, delta.logprobs).model_dump() if delta.logprobs is not None else None
         content, calls = delta.text, []
         parser = parsers.get(choice.index)
         if parser is not None:
@@ -186,32 +171,28 @@ async def _stream_chunks(
             calls = [call for call in calls if tool_plan.max_calls is None or call.index < tool_plan.max_calls]
         if calls:
             called_tools.add(choice.index)
-        message = {"content": content} if content else {}
-        if calls:
-            message["tool_calls"] = [_call_delta(call) for call in calls]
+        message = ChatDelta(content=content or None, tool_calls=[_call_delta(call) for call in calls] or None)
         finish_reason = _finish_reason(delta.finish_reason, choice.index in called_tools)
-        yield generation.chunk(object_name, [{"index": choice.index, "delta": message, "logprobs": logprobs,
-                                              "finish_reason": finish_reason}])  # fmt: skip
+        logprobs = _logprobs(delta.logprobs) if delta.logprobs is not None else None
+        yield chunk([ChatChunkChoice(index=choice.index, delta=message, logprobs=logprobs,
+                                     finish_reason=finish_reason)])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield generation.chunk(object_name, [], generation.usage())
+        yield chunk([], generation.usage())
 
 
-def _call_delta(call: ToolCallDelta) -> dict:
-    fragment = {"index": call.index, "function": {"arguments": call.arguments}}
-    if call.id is not None:
-        fragment.update(id=call.id, type="function")
-        fragment["function"]["name"] = call.name
-    return fragment
+def _call_delta(call: ToolCallDelta) -> ToolCallDeltaOut:
+    if call.id is None:
+        return ToolCallDeltaOut(index=call.index, function=ToolCallFunctionDelta(arguments=call.arguments))
+    function = ToolCallFunctionDelta(name=call.name, arguments=call.arguments)
+    return ToolCallDeltaOut(index=call.index, id=call.id, type="function", function=function)
 
 
-def _logprobs(ctx: ServerContext, entries: list[TokenLogprob]) -> ChatLogprobs:
-    def top(token_id: int, logprob: float) -> TopLogprob:
-        token = ctx.token_text(token_id)
+def _logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    def top(token: str, logprob: float) -> TopLogprob:
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
     content = []
     for entry in entries:
-        sampled = top(entry.token_id, entry.logprob)
-        alternatives = [top(t, lp) for t, lp in entry.top_logprobs]
-        content.append(ChatTokenLogprob(**sampled.model_dump(), top_logprobs=alternatives))
+        alternatives = [top(text, lp) for text, (_, lp) in zip(entry.top_tokens, entry.top_logprobs, strict=True)]
+        content.append(ChatTokenLogprob(**top(entry.token, entry.logprob).model_dump(), top_logprobs=alternatives))
     return ChatLogprobs(content=content)

@@ -1,4 +1,5 @@
-"""POST /v1/completions."""
+"""POST /v1/completions: the request as the engine's `GenerationRequest`, its choices as OpenAI's response or
+stream chunks."""
 
 from collections.abc import AsyncIterator
 
@@ -6,19 +7,22 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.engine import TokenLogprob
-from kvserve.server.context import ServerContext
+from kvserve.engine.request import GenerationRequest
+from kvserve.server.context import ServerContext, sampling_params
 from kvserve.server.errors import bad_request
 from kvserve.server.generation import Choice, Generation, sse_stream
 from kvserve.server.logprobs import vllm_prompt_logprobs
 from kvserve.server.protocol import (
     CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Usage,
     random_id,
 )
-from kvserve.server.structured_outputs import compiled_grammar
+from kvserve.server.structured_outputs import grammar_of
 from kvserve.server.supported_fields import check_completion_fields
 
 
@@ -26,27 +30,21 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     ctx.check_known_fields(body)
     ctx.check_model(body.model)
     check_completion_fields(body)
-    raw_prompts = _split_prompts(body.prompt)
-    if len(raw_prompts) > ctx.settings.max_prompts:
-        raise bad_request(f"at most {ctx.settings.max_prompts} prompts, got {len(raw_prompts)}", param="prompt")
-    prompts = [ctx.engine.engine.tokenize_prompt(prompt) for prompt in raw_prompts]
-    echoes = [_echo_text(ctx, body, prompt) for prompt in raw_prompts]
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = ctx.max_model_len - max(len(p) for p in prompts)
+    prompts = _split_prompts(body.prompt)
     # max_tokens 0 with echo scores the prompt alone (lm-eval's loglikelihood): one token is generated, not returned.
-    scores_prompt_only = max_tokens == 0 and body.echo
-    num_candidates = _num_candidates(body, ctx)
+    scores_prompt_only = body.max_tokens == 0 and body.echo
+    num_candidates = _num_candidates(body)
     # best_of ranks candidates by their tokens' summed logprobs, so each candidate computes them.
     logprobs = body.logprobs if body.logprobs is not None or num_candidates == body.n else 0
     echoed_logprobs = body.logprobs if body.echo else None
     prompt_logprobs = max((n for n in (echoed_logprobs, body.prompt_logprobs) if n is not None), default=None)
-    params = ctx.sampling_params(
-        body, max_tokens=1 if scores_prompt_only else max_tokens, logprobs=logprobs,
-        grammar=await compiled_grammar(ctx, body), prompt_logprobs=prompt_logprobs,
+    params = sampling_params(
+        body, max_tokens=1 if scores_prompt_only else body.max_tokens, logprobs=logprobs, grammar=grammar_of(body),
+        prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
-    generation = Generation(ctx.engine, random_id("cmpl"), ctx.model_name, ctx.count_disconnect)
-    generation.submit(prompts, params, num_candidates, body.cache_salt)
+    engine_request = GenerationRequest(prompts, params, num_candidates, body.cache_salt)
+    generation = await Generation.start(ctx.engine, engine_request, random_id("cmpl"), ctx.count_disconnect)
+    echoes = [_echo_text(ctx, body, prompt) for prompt in prompts]
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, echoes, scores_prompt_only)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
@@ -60,8 +58,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         logprobs = None
         if body.logprobs is not None:
             logprobs = _echoed_prompt_logprobs(ctx, body, generation, choice, choice.prompt_logprobs)
-            _append_logprobs(ctx, logprobs, choice.logprobs or [], len(prefix), body.logprobs)
-        prompt_logprobs = vllm_prompt_logprobs(ctx, body.prompt_logprobs, choice.prompt_logprobs)
+            _append_logprobs(logprobs, choice.logprobs or [], len(prefix), body.logprobs)
+        prompt_logprobs = vllm_prompt_logprobs(body.prompt_logprobs, choice.prompt_logprobs)
         choices.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
                                         finish_reason=choice.finish_reason,
                                         prompt_logprobs=prompt_logprobs))  # fmt: skip
@@ -73,14 +71,12 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     return JSONResponse(response.model_dump())
 
 
-def _num_candidates(body: CompletionRequest, ctx: ServerContext) -> int:
-    """How many sequences each prompt samples: `best_of` (returning the `n` best) or `n`."""
+def _num_candidates(body: CompletionRequest) -> int:
+    """How many sequences each prompt samples: `best_of` (returning the `n` best) or `n` (the engine caps both)."""
     if body.best_of is None or body.best_of == body.n:
         return body.n
     if body.best_of < body.n:
         raise bad_request(f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of")
-    if body.best_of > ctx.settings.max_n:
-        raise bad_request(f"best_of must be at most {ctx.settings.max_n}, got {body.best_of}", param="best_of")
     if body.stream:
         raise bad_request("best_of cannot be streamed: the best candidates are known only at the end", param="best_of")
     return body.best_of
@@ -112,14 +108,13 @@ def _echo_text(ctx: ServerContext, body: CompletionRequest, prompt: str | list[i
         return ""
     if isinstance(prompt, str):
         return prompt
-    return ctx.tokenizer.decode(prompt, skip_special_tokens=body.skip_special_tokens)
+    return ctx.engine.decode(prompt, skip_special_tokens=body.skip_special_tokens)
 
 
 async def _stream_chunks(
     body: CompletionRequest, ctx: ServerContext, generation: Generation, echoes: list[str], scores_prompt_only: bool
-) -> AsyncIterator[dict]:
+) -> AsyncIterator[CompletionChunk]:
     """The echoed prompt (with its logprobs) comes with each choice's first chunk."""
-    object_name = "text_completion"
     text_offsets: dict[int, int] = {}
     async for choice, delta in generation.updates():
         first = choice.index not in text_offsets
@@ -129,16 +124,20 @@ async def _stream_chunks(
         if body.logprobs is not None:
             prompt_entries = delta.prompt_logprobs if first else None
             logprobs = _echoed_prompt_logprobs(ctx, body, generation, choice, prompt_entries)
-            generated = [] if scores_prompt_only else delta.logprobs or []
-            logprobs = _append_logprobs(ctx, logprobs, generated, offset, body.logprobs).model_dump()
+            _append_logprobs(logprobs, [] if scores_prompt_only else delta.logprobs or [], offset, body.logprobs)
         if not scores_prompt_only:
             text += delta.text
         text_offsets[choice.index] = text_offsets.get(choice.index, 0) + len(text)
-        yield generation.chunk(object_name, [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": delta.finish_reason}])  # fmt: skip
+        chunk_choice = CompletionChunkChoice(index=choice.index, text=text, logprobs=logprobs,
+                                             finish_reason=delta.finish_reason)  # fmt: skip
+        yield CompletionChunk(id=generation.request_id, created=generation.created, model=ctx.model_name,
+                              choices=[chunk_choice])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         usage = generation.usage()
-        yield generation.chunk(object_name, [], Usage.of(usage.prompt_tokens, 0) if scores_prompt_only else usage)
+        yield CompletionChunk(
+            id=generation.request_id, created=generation.created, model=ctx.model_name, choices=[],
+            usage=Usage.of(usage.prompt_tokens, 0) if scores_prompt_only else usage,
+        )  # fmt: skip
 
 
 def _echoed_prompt_logprobs(
@@ -151,35 +150,35 @@ def _echoed_prompt_logprobs(
         return result
     offset = 0
     for token_id, entry in zip(generation.prompt_token_ids(choice), entries, strict=True):
-        token = ctx.token_text(token_id)
-        result.tokens.append(token)
-        result.text_offset.append(offset)
-        offset += len(token)
-        if entry is None:
+        if entry is None:  # the first token: nothing scores it
+            token = ctx.engine.token_text(token_id)
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
+            token = entry.token
             result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append(_top(ctx, entry, body.logprobs))
+            result.top_logprobs.append(_top(entry, body.logprobs))
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
     return result
 
 
 def _append_logprobs(
-    ctx: ServerContext, result: CompletionLogprobs, entries: list[TokenLogprob], first_offset: int, num_top: int
+    result: CompletionLogprobs, entries: list[TokenLogprob], first_offset: int, num_top: int
 ) -> CompletionLogprobs:
     offset = first_offset
     for entry in entries:
-        token = ctx.token_text(entry.token_id)
-        result.tokens.append(token)
+        result.tokens.append(entry.token)
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append(_top(ctx, entry, num_top))
+        result.top_logprobs.append(_top(entry, num_top))
         result.text_offset.append(offset)
-        offset += len(token)
+        offset += len(entry.token)
     return result
 
 
-def _top(ctx: ServerContext, entry: TokenLogprob, num_top: int) -> dict[str, float]:
+def _top(entry: TokenLogprob, num_top: int) -> dict[str, float]:
     top: dict[str, float] = {}
-    for token_id, logprob in entry.top_logprobs[:num_top]:  # most likely first
-        top.setdefault(ctx.token_text(token_id), logprob)  # tokens that read alike keep the likeliest
+    for text, (_, logprob) in zip(entry.top_tokens[:num_top], entry.top_logprobs[:num_top], strict=True):
+        top.setdefault(text, logprob)  # tokens that read alike keep the likeliest
     return top

@@ -1,4 +1,4 @@
-"""What request handlers share: settings, the engine, the tokenizer, metrics, and request checks."""
+"""What request handlers share: settings, the engine, metrics, and the checks every protocol makes alike."""
 
 import logging
 from dataclasses import dataclass, field
@@ -19,17 +19,8 @@ class ServerContext:
     settings: ServerSettings
     engine: AsyncLLMEngine
     model_name: str
-    chat_template: str | None
     metrics: ServerMetrics
     _logged_unknown_fields: set[str] = field(default_factory=set)
-
-    @property
-    def tokenizer(self):
-        return self.engine.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -55,42 +46,32 @@ class ServerContext:
     def count_disconnect(self) -> None:
         self.metrics.client_disconnects.inc()
 
-    def sampling_params(
-        self, body: SamplingFields, max_tokens: int, logprobs: int | None, grammar: GrammarSpec | None = None,
-        prompt_logprobs: int | None = None,
-    ) -> SamplingParams:  # fmt: skip
-        """Checks the server's own caps; the engine checks the rest when the request is submitted."""
-        limits = self.settings
-        if not 1 <= body.n <= limits.max_n:
-            raise bad_request(f"n must be in [1, {limits.max_n}], got {body.n}", param="n")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > limits.max_stop_strings:
-            raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stop)}", param="stop")
-        if any(len(s) > limits.max_stop_string_chars for s in stop):
-            raise bad_request(f"stop strings are limited to {limits.max_stop_string_chars} characters", param="stop")
-        return SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            seed=body.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
-            skip_special_tokens=body.skip_special_tokens,
-            logit_bias=_logit_bias(body.logit_bias),
-            structured_output=grammar,
-        )
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, grammar: GrammarSpec | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:  # fmt: skip
+    """The fields completions and chat share, as the engine's settings (its input processor checks them)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        logit_bias=_logit_bias(body.logit_bias),
+        structured_output=grammar,
+    )
 
 
 def _logit_bias(biases: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine import InvalidRequestError
 from kvserve.engine.async_engine import EngineOverloadedError, EngineStepError, EngineUnavailableError
+from kvserve.server.protocol import ErrorBody, ErrorResponse
 
 RETRY_AFTER_S = 1
 logger = logging.getLogger(__name__)
@@ -26,8 +27,11 @@ class APIError(Exception):
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
 
+    def error_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
+
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return self.error_response().model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -1,15 +1,16 @@
-"""What completions and chat share: submitting n x prompts, merging their streams, streaming deltas."""
+"""What completions and chat share: one request's choices as the engine streams them, usage, SSE framing."""
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import Request
+from pydantic import BaseModel
 
-from kvserve.engine import RequestDelta, SamplingParams, TokenLogprob
-from kvserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvserve.engine import RequestDelta, TokenLogprob
+from kvserve.engine.async_engine import AsyncLLMEngine, GenerationStream
+from kvserve.engine.request import GenerationRequest
 from kvserve.server.errors import APIError, to_api_error
 from kvserve.server.protocol import Usage, now_s
 
@@ -47,90 +48,40 @@ class Choice:
 
 
 class Generation:
-    """All choices of one API request, submitted to the engine together and aborted together."""
+    """One API request's choices: queued in the engine together, read together, aborted together."""
 
-    def __init__(
-        self, engine: AsyncLLMEngine, request_id: str, model_name: str, on_disconnect: Callable[[], None]
-    ) -> None:
-        self.engine = engine
+    def __init__(self, stream: GenerationStream, request_id: str, on_disconnect: Callable[[], None]) -> None:
         self.request_id = request_id
-        self.model_name = model_name
         self.created = now_s()
         self.on_disconnect = on_disconnect
-        self.choices: list[Choice] = []
-        self._streams: list[RequestStream] = []
-        self._prompts: list[list[int]] = []
+        self.processed = stream.processed
+        self.choices = [Choice(index) for index in range(stream.processed.num_choices)]
+        self._stream = stream
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, cache_salt: str | None = None) -> None:
-        """Queue every choice, or none: a refusal aborts what was already queued."""
-        loop = asyncio.get_running_loop()
-        self._prompts = prompts
-        try:
-            for prompt_index, prompt_token_ids in enumerate(prompts):
-                for sample_index in range(n):
-                    choice_params = params
-                    if params.seed is not None and sample_index:
-                        choice_params = replace(params, seed=params.seed + sample_index)
-                    index = prompt_index * n + sample_index
-                    engine_id = self._engine_id(index)
-                    stream = self.engine.submit(engine_id, prompt_token_ids, choice_params, loop, cache_salt)
-                    self.choices.append(Choice(index))
-                    self._streams.append(stream)
-        except Exception:
-            self.abort()
-            raise
+    @classmethod
+    async def start(
+        cls, engine: AsyncLLMEngine, request: GenerationRequest, request_id: str, on_disconnect: Callable[[], None]
+    ) -> "Generation":
+        """Check and queue the request in the engine (its errors are the API's 400, 429 and 503)."""
+        return cls(await engine.generate(request, request_id), request_id, on_disconnect)
 
     def abort(self) -> None:
-        for choice in self.choices:
-            if choice.finish_reason is None:
-                self.engine.abort(self._engine_id(choice.index))
+        self._stream.abort()
 
     async def updates(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Each choice with its delta every time it has new output, until all are finished; aborts on exit.
-
-        Every delta carries tokens or a finish: a token whose text is empty (a special token skipped in the text)
-        comes in its own step's delta, as in vLLM, so streams send a chunk for it, its logprobs ride along, and
-        clients time the first token, not the first visible text."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice: Choice, stream: RequestStream) -> None:
-            try:
-                async for delta in stream:
-                    queue.put_nowait((choice, delta))
-            except Exception as error:
-                queue.put_nowait(error)
-
-        tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(self.choices, self._streams, strict=True)]
-        try:
-            num_finished = 0
-            while num_finished < len(self.choices):
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                choice, delta = item
-                choice.add(delta)
-                num_finished += delta.finished
-                yield choice, delta
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.abort()
+        """Each choice with its delta every time it has new output, until all are finished; aborts on exit."""
+        async for index, delta in self._stream:
+            choice = self.choices[index]
+            choice.add(delta)
+            yield choice, delta
 
     def prompt_token_ids(self, choice: Choice) -> list[int]:
-        return self._prompts[choice.index // (len(self.choices) // len(self._prompts))]
+        return self.processed.prompt_of(choice.index)
 
     def usage(self) -> Usage:
         """Each prompt's tokens once (whatever n is), and every choice's generated tokens."""
         completion_tokens = sum(len(choice.token_ids) for choice in self.choices)
-        return Usage.of(sum(len(prompt) for prompt in self._prompts), completion_tokens)
-
-    def chunk(self, object_name: str, choices: list[dict], usage: Usage | None = None) -> dict:
-        """A streamed chunk object of this request."""
-        payload = {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model_name,
-                   "choices": choices}  # fmt: skip
-        if usage is not None:
-            payload["usage"] = usage.model_dump()
-        return payload
+        return Usage.of(sum(map(len, self.processed.prompt_token_ids)), completion_tokens)
 
     async def run_to_end(self, request: Request) -> None:
         """Wait for every choice to finish; if the client goes away first, abort and count it."""
@@ -152,20 +103,17 @@ class Generation:
         self.on_disconnect()
         raise APIError(499, "client disconnected", type="client_closed_request")
 
-    def _engine_id(self, index: int) -> str:
-        return f"{self.request_id}-{index}"
-
 
 async def _wait_for_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+def sse(payload: BaseModel | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict], generation: Generation) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[BaseModel], generation: Generation) -> AsyncIterator[str]:
     """SSE framing; an error after the stream started becomes an error chunk; always ends with [DONE].
 
     If the client goes away, Starlette cancels this generator: the requests are aborted (in
@@ -178,7 +126,7 @@ async def sse_stream(chunks: AsyncIterator[dict], generation: Generation) -> Asy
         generation.on_disconnect()
         raise
     except Exception as error:
-        yield sse(to_api_error(error).body())
+        yield sse(to_api_error(error).error_response())
     finally:
         generation.abort()
     yield sse("[DONE]")

@@ -8,7 +8,7 @@ tests hold the server to this document.
 from fastapi import FastAPI
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from kvserve.server.protocol import ChatCompletionChunk, CompletionChunk, ErrorResponse
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 TEXT = {"type": "string"}
@@ -21,8 +21,8 @@ _ERROR_DESCRIPTIONS = {
     503: "the server is shutting down or its engine has stopped",
     "4XX": "any other client error (405, 413 body too large, 431 headers too large)",
 }
-# The model of each streamed route's chunks (a streamed completion chunk has the shape of a whole response).
-_STREAMED_CHUNKS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
+# The model of each streamed route's chunks.
+_STREAMED_CHUNKS = {"/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk}
 
 
 def error_responses(*statuses: int) -> dict:

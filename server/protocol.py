@@ -298,22 +298,31 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's extra; left out unless asked
 
 
+def _absent_when_none(default=None, **kwargs):
+    """A field a streamed chunk sends only when it has a value (as OpenAI's deltas do)."""
+    return Field(default, exclude_if=lambda value: value is None, **kwargs)
+
+
 class ToolCallFunctionDelta(BaseModel):
-    name: str | None = None
+    name: str | None = _absent_when_none()  # with the call's first fragment only
     arguments: str = ""
 
 
 class ToolCallDeltaOut(BaseModel):
+    """A fragment of a streamed tool call: the first carries its id, type and name, the next ones arguments."""
+
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = _absent_when_none()
+    type: Literal["function"] | None = _absent_when_none()
     function: ToolCallFunctionDelta
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDeltaOut] | None = None
+    """What a chunk adds to a choice's message: the role in its first chunk, then content or tool call fragments."""
+
+    role: Literal["assistant"] | None = _absent_when_none()
+    content: str | None = _absent_when_none()
+    tool_calls: list[ToolCallDeltaOut] | None = _absent_when_none()
 
 
 class ChatChunkChoice(BaseModel):
@@ -324,12 +333,32 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """A streamed chat event: choices' deltas, or (the last, with `include_usage`) no choices and the usage."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = _absent_when_none()
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    """A streamed completions event: each choice's new text, or (the last, with `include_usage`) the usage."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = _absent_when_none()
 
 
 class ModelCard(BaseModel):

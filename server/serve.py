@@ -11,8 +11,9 @@ import uvicorn
 from kvserve.engine import LLMEngine
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.default_model import DEFAULT_MODEL_NAME
+from kvserve.engine.input_processor import RequestLimits
 from kvserve.engine.parallel.launch import launched_rank
-from kvserve.engine.parallel.worker import run_launched_worker
+from kvserve.engine.parallel.rank_process import run_launched_rank
 from kvserve.server.app import create_app
 from kvserve.server.context import ServerContext
 from kvserve.server.metrics import ServerMetrics
@@ -36,17 +37,15 @@ def build_context(settings: ServerSettings) -> ServerContext:
         max_consecutive_step_failures=settings.max_consecutive_step_failures,
         stall_timeout_s=settings.engine_stall_timeout_s,
     )
-    return ServerContext(
-        settings=settings,
-        engine=engine,
-        model_name=model_name,
-        chat_template=_read_chat_template(settings.chat_template),
-        metrics=metrics,
-    )
+    return ServerContext(settings=settings, engine=engine, model_name=model_name, metrics=metrics)
 
 
 def _make_engine(settings: ServerSettings) -> LLMEngine:
-    engine = LLMEngine(settings.engine_config())
+    limits = RequestLimits(
+        max_n=settings.max_n, max_prompts=settings.max_prompts, max_stop_strings=settings.max_stop_strings,
+        max_stop_string_chars=settings.max_stop_string_chars,
+    )  # fmt: skip
+    engine = LLMEngine(settings.engine_config(), limits, _read_chat_template(settings.chat_template))
     if os.environ.get("KVSERVE_FAULT_INJECTION"):  # tests only: the serving path never imports kvserve.testing
         from kvserve.testing import fault_injection
 
@@ -127,7 +126,7 @@ def serve(settings: ServerSettings) -> int:
     rank = launched_rank()
     if settings.tensor_parallel_size > 1 and rank not in (None, 0):
         logger.info("tensor-parallel rank %d: running the worker loop for rank 0", rank)
-        run_launched_worker(settings.engine_config())
+        run_launched_rank(settings.engine_config())
         return 0
     ctx = build_context(settings)
     server = DrainingServer(uvicorn_config(ctx, host=settings.host, port=settings.port, log_level="info"), ctx)

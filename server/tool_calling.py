@@ -59,7 +59,8 @@ def plan_tools(body: ChatCompletionRequest, configured_parser: str | None) -> To
     if named is None:
         raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
     schema = named.function.parameters or ANY_OBJECT
-    return ToolPlan(template_tools, GrammarSpec("json_schema", json.dumps(schema)), NamedCall(named.function.name), 1)
+    grammar = GrammarSpec("json_schema", json.dumps(schema), param="tools")
+    return ToolPlan(template_tools, grammar, NamedCall(named.function.name), 1)
 
 
 def _required_grammar(tools: list[ToolDefinition], max_calls: int | None) -> GrammarSpec:
@@ -77,7 +78,7 @@ def _required_grammar(tools: list[ToolDefinition], max_calls: int | None) -> Gra
     schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if max_calls is not None:
         schema["maxItems"] = max_calls
-    return GrammarSpec("json_schema", json.dumps(schema))
+    return GrammarSpec("json_schema", json.dumps(schema), param="tools")
 
 
 class NamedCall(ToolCallParser):

@@ -72,8 +72,9 @@ def plan_from_env(environ: dict[str, str] | None = None) -> FaultPlan | None:
 
 
 def inject(engine: LLMEngine, plan: FaultPlan) -> FaultyExecute:
-    faulty = FaultyExecute(engine.runner.execute, plan)
-    engine.runner.execute = faulty
+    runner = engine.core.runner
+    faulty = FaultyExecute(runner.execute, plan)
+    runner.execute = faulty
     return faulty
 
 

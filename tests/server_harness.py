@@ -84,13 +84,13 @@ def tiny_server(checkpoints: dict[str, Path], **settings) -> AbstractContextMana
 
 def slow_down_steps(running: RunningServer, monkeypatch, delay_s: float = STEP_DELAY_S) -> None:
     """Every model step takes at least `delay_s`, so long requests last long on any machine."""
-    execute = running.engine.runner.execute
+    execute = running.engine.core.runner.execute
 
     def slow_execute(scheduler_output, *args):
         time.sleep(delay_s)
         return execute(scheduler_output, *args)
 
-    monkeypatch.setattr(running.engine.runner, "execute", slow_execute)
+    monkeypatch.setattr(running.engine.core.runner, "execute", slow_execute)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = SETTLE_TIMEOUT_S) -> None:

@@ -95,7 +95,7 @@ def test_each_page_loads_without_console_errors(browser, console_server):
         for other in ("playground", "live", "kv"):
             assert browser.find_element(By.ID, f"view-{other}").is_displayed() == (other == view)
     browser.find_element(By.CSS_SELECTOR, 'nav a[data-view="kv"]').click()
-    num_blocks = console_server.engine.scheduler.allocator.num_blocks
+    num_blocks = console_server.engine.core.scheduler.allocator.num_blocks
     wait_until(browser, lambda d: _text(d, "kv-free") == str(num_blocks), "the map never showed the free pool")
     assert _text(browser, "kv-total") == f"{num_blocks} blocks of {BLOCK_SIZE} slots"
     assert console_errors(browser) == []

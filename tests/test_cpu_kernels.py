@@ -8,8 +8,8 @@ into an output poisoned with NaN, as the Triton tests do.
 import pytest
 import torch
 
-from kvserve.kernels import AttentionShape, paged_attention, select_attention_backend, torch_layer_ops
-from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels import AttentionShape, paged_attention, select_backend, torch_layer_ops
+from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from tests.paged_batches import (
     BLOCK_SIZE,
@@ -24,7 +24,7 @@ from tests.paged_batches import (
 )
 
 CPU = torch.device("cpu")
-BACKEND = CpuAttentionBackend()
+BACKEND = CpuBackend()
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="no C++ compiler to build the CPU kernels")
 
 
@@ -39,7 +39,7 @@ def cpp_decode(batch, head_dim: int = HEAD_DIM) -> torch.Tensor:
 
 
 def test_auto_picks_the_cpp_kernels_on_a_cpu():
-    assert select_attention_backend("auto", CPU, AttentionShape(8, 8, HEAD_DIM)).name == "cpu"
+    assert select_backend("auto", CPU, AttentionShape(8, 8, HEAD_DIM)).name == "cpu"
 
 
 @pytest.mark.parametrize("int8", [False, True])

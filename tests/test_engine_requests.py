@@ -25,7 +25,7 @@ def llm(tiny_checkpoints) -> LLM:
 def greedy_steps(llm) -> list[tuple[list[int], str]]:
     """(token ids, text) of a greedy run of PROMPT after each step: the tokens generated, the text released."""
     request_id = llm.engine.add_request(PROMPT, GREEDY)
-    request = llm.engine.scheduler.get(request_id)
+    request = llm.engine.core.scheduler.get(request_id)
     steps, text = [], ""
     while llm.engine.has_unfinished():
         text += "".join(delta.text for delta in llm.engine.step() if delta.request_id == request_id)
@@ -105,7 +105,7 @@ def test_a_stop_string_that_never_appears_changes_nothing(llm, greedy_steps):
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_a_stop_token_id_ends_the_request_keeping_the_token_but_not_its_text(llm, greedy_steps, ignore_eos):
     token_ids, _ = greedy_steps[-1]
-    stop_index = _first_token_not_seen_before(token_ids, 5, llm.engine.eos_token_ids)
+    stop_index = _first_token_not_seen_before(token_ids, 5, llm.engine.core.eos_token_ids)
     params = SamplingParams(
         max_tokens=40, temperature=0.0, ignore_eos=ignore_eos, stop_token_ids=(token_ids[stop_index],)
     )
@@ -127,8 +127,8 @@ def llm_with_eos(tmp_path_factory, tiny_checkpoints, greedy_steps):
     generation_config["eos_token_id"] = [token_ids[eos_index]]
     (model_dir / "generation_config.json").write_text(json.dumps(generation_config))
     llm = LLM(str(model_dir), kv_cache_memory_bytes=KV_CACHE_BYTES)
-    assert token_ids[eos_index] in llm.engine.eos_token_ids
-    assert not llm.engine.eos_token_ids & set(token_ids[:eos_index])  # no other EOS comes first
+    assert token_ids[eos_index] in llm.engine.core.eos_token_ids
+    assert not llm.engine.core.eos_token_ids & set(token_ids[:eos_index])  # no other EOS comes first
     return llm, eos_index
 
 
@@ -343,8 +343,8 @@ def test_aborting_a_running_request_frees_its_blocks_at_once(llm, greedy_steps):
     kept = engine.add_request(PROMPT, GREEDY)
     for _ in range(3):
         _step(engine, released)
-    blocks_of_kept = len(engine.scheduler.get(kept).block_ids)
-    assert engine.kv_usage().num_used_blocks == len(engine.scheduler.get(aborted).block_ids) + blocks_of_kept
+    blocks_of_kept = len(engine.core.scheduler.get(kept).block_ids)
+    assert engine.kv_usage().num_used_blocks == len(engine.core.scheduler.get(aborted).block_ids) + blocks_of_kept
 
     last = engine.abort(aborted)
 

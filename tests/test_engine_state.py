@@ -151,12 +151,12 @@ def engine(tiny_checkpoints) -> LLMEngine:
 
 
 def _snapshot(engine: LLMEngine):
-    return take_engine_state(engine.scheduler, StatsWindow(), time.monotonic(), time.time())
+    return take_engine_state(engine.core.scheduler, StatsWindow(), time.monotonic(), time.time())
 
 
 def _check_against_the_engine(state, engine: LLMEngine) -> None:
     """What every snapshot must agree with: the allocator's counts and ref counts, the scheduler's requests."""
-    allocator, scheduler = engine.scheduler.allocator, engine.scheduler
+    allocator, scheduler = engine.core.scheduler.allocator, engine.core.scheduler
     block_map = state.block_map
     assert block_map.num_blocks == allocator.num_blocks
     assert block_map.num_used_blocks == allocator.num_used_blocks
@@ -186,7 +186,7 @@ def test_two_requests_sharing_a_prefix_share_its_blocks_and_leave_them_cached_an
     second = engine.add_request([*PREFIX, 4, 5], params)
     waiting = engine.add_request([7, 8, 9], params)  # max_num_seqs=2: it waits
     engine.step()
-    requests = [engine.scheduler.get(request_id) for request_id in (first, second)]
+    requests = [engine.core.scheduler.get(request_id) for request_id in (first, second)]
 
     state = _snapshot(engine)
 
@@ -205,10 +205,10 @@ def test_two_requests_sharing_a_prefix_share_its_blocks_and_leave_them_cached_an
     state = _snapshot(engine)
 
     _check_against_the_engine(state, engine)
-    cached = {engine.scheduler.allocator.lookup(key) for request in requests for key in request.block_keys}
+    cached = {engine.core.scheduler.allocator.lookup(key) for request in requests for key in request.block_keys}
     evictable = {block_id for block_id, byte in enumerate(state.block_map.states) if byte == BlockState.EVICTABLE}
     assert evictable == cached - {None} and set(prefix_blocks) <= evictable
-    assert len(evictable) == engine.scheduler.allocator.num_cached_blocks
+    assert len(evictable) == engine.core.scheduler.allocator.num_cached_blocks
     assert state.block_map.num_used_blocks == 0 and state.block_map.shared == () and state.running == ()
     assert state.fragmentation == 0.0
 
@@ -300,7 +300,7 @@ def test_after_a_known_workload_the_state_matches_the_engine_and_the_figures_its
 
         state = _get_state(running, headers={})
 
-        allocator = running.engine.scheduler.allocator
+        allocator = running.engine.core.scheduler.allocator
         kv_cache, blocks = state["kv_cache"], state["kv_cache"]["blocks"]
         states = _decode_states(kv_cache)
         assert len(states) == blocks["total"] == allocator.num_blocks
@@ -359,13 +359,13 @@ def test_while_a_step_hangs_a_poll_gets_the_snapshot_from_before_it_and_how_old_
     protected, fresh_snapshots, monkeypatch
 ):
     monkeypatch.setattr(async_engine_module, "STATE_WAIT_S", 0.2)
-    hang = FaultyExecute(protected.engine.runner.execute, FaultPlan("hang", 0))
-    monkeypatch.setattr(protected.engine.runner, "execute", hang)
+    hang = FaultyExecute(protected.engine.core.runner.execute, FaultPlan("hang", 0))
+    monkeypatch.setattr(protected.engine.core.runner, "execute", hang)
     before = _get_state(protected)
     body = {"model": TINY_MODEL, "prompt": PREFIX, "max_tokens": 2}
     with ThreadPoolExecutor(1) as pool:
         completion = pool.submit(httpx.post, protected.base_url + "/v1/completions", json=body, headers=AUTH)
-        wait_for(lambda: protected.engine.scheduler.running)  # scheduled: its step is under way, and hangs
+        wait_for(lambda: protected.engine.core.scheduler.running)  # scheduled: its step is under way, and hangs
 
         during = _get_state(protected)
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.stats import StatsTracker, StepStats
+from kvserve.engine.step_result import CoreOutput, StepResult
 from kvserve.kvcache import BlockAllocator
 from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 
@@ -38,13 +38,10 @@ class Harness:
         for request in sampling:
             if request.request_id in finish:
                 self.scheduler.finish(request, FinishReason(finish[request.request_id]))
-        outputs = [
-            RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids), "", None,
-                          finish.get(r.request_id))
-            for r in sampling
-        ]  # fmt: skip
-        self.tracker.stepped(output, outputs, start_s, end_s)
-        return self.tracker.collect(self.scheduler)
+        reasons = {request_id: FinishReason(reason) for request_id, reason in finish.items()}
+        outputs = [CoreOutput(r.request_id, 7, None, reasons.get(r.request_id)) for r in sampling]
+        self.tracker.stepped(StepResult(outputs, output), start_s, end_s)
+        return self.tracker.collect(self.scheduler.stats())
 
 
 def test_the_first_token_gives_time_to_first_token_and_counts_the_prompt():
@@ -100,7 +97,7 @@ def test_aborted_and_failed_requests_count_their_reason_once_and_no_timings():
     harness.tracker.finished("a", "abort")  # an abort racing the last token, or a second abort
     harness.tracker.finished("never-seen", "abort")
     harness.tracker.finished("b", "error")
-    stats = harness.tracker.collect(harness.scheduler)
+    stats = harness.tracker.collect(harness.scheduler.stats())
 
     assert stats.finish_reasons == ["abort", "error"]
     assert stats.completed == []
@@ -116,7 +113,7 @@ def test_preemptions_and_preempted_waiting_requests_are_reported():
     assert stats.num_preemptions == 1
     assert (stats.num_running, stats.num_waiting, stats.num_preempted_waiting) == (1, 1, 1)
     assert stats.kv_usage.num_used_blocks == 2
-    assert harness.tracker.collect(harness.scheduler).num_preemptions == 0  # counted once
+    assert harness.tracker.collect(harness.scheduler.stats()).num_preemptions == 0  # counted once
 
 
 def test_prefix_cache_tokens_are_reported_as_what_changed_since_the_last_collect():
@@ -129,5 +126,5 @@ def test_prefix_cache_tokens_are_reported_as_what_changed_since_the_last_collect
     assert (first.prefix_cache_queried_tokens, first.prefix_cache_hit_tokens) == (9, 0)
     assert (again.prefix_cache_queried_tokens, again.prefix_cache_hit_tokens) == (9, 8)  # two full blocks
     assert again.num_batched_tokens == 1
-    idle = harness.tracker.collect(harness.scheduler)
+    idle = harness.tracker.collect(harness.scheduler.stats())
     assert (idle.prefix_cache_queried_tokens, idle.prefix_cache_hit_tokens, idle.num_batched_requests) == (0, 0, 0)

@@ -97,7 +97,8 @@ def test_no_generated_request_gets_a_5xx_or_a_response_outside_the_schema(api_sc
 
 def test_the_checks_fail_on_a_server_error(api_schema, live, monkeypatch):
     # The harness above would pass vacuously if the checks never looked at a response: here one must fail.
-    monkeypatch.setattr(live.engine.runner, "execute", FaultyExecute(live.engine.runner.execute, FaultPlan("raise", 0)))
+    runner = live.engine.core.runner
+    monkeypatch.setattr(runner, "execute", FaultyExecute(runner.execute, FaultPlan("raise", 0)))
     case = api_schema["/v1/completions"]["POST"].Case(body={"prompt": "Hi", "max_tokens": 1})
     response = case.call(base_url=live.base_url, timeout=60)
     with pytest.RaisesGroup(ServerError, allow_unwrapped=True):

@@ -68,7 +68,7 @@ def test_the_triton_backend_matches_hf(gemma, gemma_reference):
 
 
 def test_only_the_sliding_layers_have_a_window(gemma):
-    layers = LLM(str(gemma)).engine.model.model.layers
+    layers = LLM(str(gemma)).engine.core.model.model.layers
     assert [layer.self_attn.sliding_window for layer in layers] == [WINDOW, None]
 
 

@@ -12,7 +12,7 @@ from kvserve.kernels import (
     PagedKV,
     paged_attention,
     quantize_per_token_head,
-    select_attention_backend,
+    select_backend,
     store_kv,
 )
 from kvserve.kernels.triton_store_kv import store_kv as triton_store_kv
@@ -79,7 +79,7 @@ MIXED_QUERY_LENS, MIXED_SEQ_LENS = [1, 1, 1, 9, 6], [37, 4, 18, 25, 6]
 def test_triton_and_torch_paths_agree_on_an_int8_cache(num_heads, num_kv_heads):
     batch = make_batch(MIXED_QUERY_LENS, MIXED_SEQ_LENS, num_heads, num_kv_heads, torch.float32, seed=8, int8=True)
     expected = paged_attention(batch.query, batch.cache, batch.metadata, HEAD_DIM**-0.5)
-    backend = select_attention_backend("triton", DEVICE, AttentionShape(8, num_heads, HEAD_DIM))
+    backend = select_backend("triton", DEVICE, AttentionShape(8, num_heads, HEAD_DIM))
     actual = backend.paged_attention(batch.query, batch.cache, batch.metadata, HEAD_DIM**-0.5)
     assert not actual.isnan().any()
     torch.testing.assert_close(actual.cpu(), expected.cpu(), atol=1e-4, rtol=0)
@@ -148,7 +148,7 @@ def int8_model(request, tiny_checkpoints):
 @pytest.fixture(scope="module")
 def int8_reference(int8_model):
     llm, outputs = _generate(int8_model)
-    assert llm.engine.kv_cache.spec.dtype == torch.int8
+    assert llm.engine.core.kv_cache.spec.dtype == torch.int8
     return outputs
 
 
@@ -160,7 +160,7 @@ def test_int8_engine_gives_the_same_tokens_on_every_scheduling_path(int8_model, 
         assert output.token_ids == expected.token_ids
         assert [e.logprob for e in output.logprobs] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
     if "preempting" in path:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     assert llm.engine.kv_usage().num_used_blocks == 0
 
 
@@ -187,7 +187,7 @@ def test_engine_reports_int8_capacity_at_start_up(tiny_checkpoints, caplog):
     budget = 100 * INT8_BLOCK_BYTES + 5
     with caplog.at_level(logging.INFO, logger="kvserve.engine.kv_sizing"):
         llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_dtype="int8", kv_cache_memory_bytes=budget)
-    assert llm.engine.kv_cache.num_blocks == 100
+    assert llm.engine.core.kv_cache.num_blocks == 100
     message = next(record.getMessage() for record in caplog.records if "KV cache" in record.getMessage())
     assert "torch.int8 + fp32 scales" in message
     assert f"= {100 * 16} tokens" in message and f"{INT8_BLOCK_BYTES // 16} bytes a token" in message

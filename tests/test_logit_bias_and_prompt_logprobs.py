@@ -64,10 +64,10 @@ def test_a_bias_outside_the_vocabulary_or_range_is_refused(llama, logit_bias, fi
 def test_prompt_logprobs_recompute_a_cached_prefix_and_match_hf(tiny_checkpoints, llama):
     """A cached prefix has no logits: a request that scores its prompt computes all of it, while the others
     keep reusing the cache."""
-    prompt = llama.engine.tokenize_prompt("The quick brown fox jumps over the lazy dog, " * 3)
+    prompt = llama.engine.inputs.prompt_token_ids("The quick brown fox jumps over the lazy dog, " * 3)
     assert len(prompt) > 2 * llama.engine.config.block_size
     llama.generate([prompt], GREEDY)  # now cached
-    scheduler = llama.engine.scheduler
+    scheduler = llama.engine.core.scheduler
     hits_before = scheduler.prefix_cache_hit_tokens
     (scored,) = llama.generate([prompt], replace(GREEDY, prompt_logprobs=3))
     assert scheduler.prefix_cache_hit_tokens == hits_before

@@ -134,15 +134,16 @@ def test_no_safetensors_is_a_checkpoint_error(tiny_checkpoints, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_model_loads_and_generates_in_each_cpu_dtype_whatever_the_cpu_packs(tiny_checkpoints, dtype):
-    """Where this CPU's oneDNN cannot pack a dtype (bfloat16 without AVX-512), the layers keep their plain weights
-    (the reorder would raise at load time); where it can, they are packed. Either way the model runs."""
+    """Where this CPU's oneDNN cannot pack a dtype (bfloat16 without AVX-512), the CPU backend keeps the layers'
+    plain weights (the reorder would raise at load time); where it can, it packs them. Either way the model runs."""
     from kvserve.engine import LLM, SamplingParams
     from kvserve.engine.models.layers import Linear
     from kvserve.kernels import onednn
+    from kvserve.kernels.cpu_extension import load_cpu_kernels
 
     llm = LLM(str(tiny_checkpoints["llama"]), dtype=dtype, kv_cache_memory_bytes=1 << 22)
-    linears = [module for module in llm.engine.model.modules() if isinstance(module, Linear)]
+    linears = [module for module in llm.engine.core.model.modules() if isinstance(module, Linear)]
     packs = onednn.cpu_packs(getattr(torch, dtype))
-    assert {linear.packed_weight is not None for linear in linears} == {packs}
+    assert {linear.prepared is not None for linear in linears} == {packs and load_cpu_kernels()}
     (output,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(output.token_ids) == 4

@@ -8,10 +8,10 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from kvserve.kernels import AttentionShape, TorchAttentionBackend, onednn
-from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels import AttentionShape, TorchBackend, onednn
+from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.torch_moe import OneDnnExperts, fused_moe
-from kvserve.kernels.triton_backend import TritonAttentionBackend
+from kvserve.kernels.triton_backend import TritonBackend
 from kvserve.kernels.triton_moe import align_by_expert
 from kvserve.kernels.triton_moe import fused_moe as triton_fused_moe
 from kvserve.testing.moe_reference import moe_reference
@@ -146,7 +146,7 @@ def test_no_tokens_give_an_empty_output():
 
 @pytest.mark.parametrize(
     "backend",
-    [TorchAttentionBackend(), CpuAttentionBackend(), TritonAttentionBackend.create(AttentionShape(4, 2, 16), DEVICE)],
+    [TorchBackend(), CpuBackend(), TritonBackend.create(AttentionShape(4, 2, 16), DEVICE)],
     ids=lambda backend: backend.name,
 )
 def test_every_backend_runs_the_experts(backend):

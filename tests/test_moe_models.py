@@ -67,7 +67,7 @@ def test_prefix_cached_prompts_match_hf(moe_model, moe_reference):
 
 
 def test_layers_have_experts_where_hf_puts_them(moe_model):
-    layers = LLM(str(moe_model)).engine.model.model.layers
+    layers = LLM(str(moe_model)).engine.core.model.model.layers
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in layers]
     assert sparse == ([False, True] if moe_model.name == "qwen3_moe" else [True, True])
 
@@ -87,7 +87,7 @@ def test_served_with_the_openai_client_and_expert_load_in_the_metrics(qwen3_moe)
         assert answer.choices[0].finish_reason in ("stop", "length")
         server.wait_until_idle()
         computed = answer.usage.prompt_tokens + answer.usage.completion_tokens - 1  # the last token is never run
-        config = server.engine.model.config.moe
+        config = server.engine.core.model.config.moe
         per_expert = [server.metric("moe_expert_tokens_total", expert=str(e)) or 0 for e in range(config.num_experts)]
         # Every computed token went to top_k experts in each of the one sparse layer (layer 0 is dense).
         assert sum(per_expert) == computed * config.top_k * len(config.sparse_layers)

@@ -25,7 +25,7 @@ def test_the_built_wheel_carries_the_console_the_default_model_and_the_kernel_so
     expected += [f"kvserve/engine/assets/default_model/{path.name}" for path in default_model_dir().iterdir()]
     expected += [f"kvserve/kernels/csrc/{path.name}" for path in (REPO_ROOT / "kernels" / "csrc").iterdir()]
     assert [name for name in expected if name not in names] == []
-    assert "kvserve/engine/parallel/worker.py" in names and "kvserve/server/bench/__init__.py" in names
+    assert "kvserve/engine/parallel/rank_process.py" in names and "kvserve/server/bench/__init__.py" in names
     assert "kvserve/testing/fault_injection.py" in names
     # Nothing but kvserve's own namespace at the top of site-packages.
     assert {name.split("/")[0] for name in names} == {"kvserve", f"kvserve-{version('kvserve')}.dist-info"}

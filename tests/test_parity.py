@@ -68,14 +68,14 @@ def build_hf_reference(model_dir: Path) -> list:
 @pytest.mark.parametrize("path", sorted(SCHEDULING_PATHS))
 def test_greedy_tokens_and_logprobs_match_hf(tiny_model, hf_reference, path):
     llm = LLM(str(tiny_model), **SCHEDULING_PATHS[path])
-    assert llm.engine.runner.backend.name == ("cpu" if load_cpu_kernels() else "torch")
+    assert llm.engine.core.runner.worker.backend.name == ("cpu" if load_cpu_kernels() else "torch")
     assert_matches_hf(llm, hf_reference, path)
 
 
 def test_torch_backend_matches_hf(tiny_model, hf_reference):
     """The pure torch path, the engine's fallback where the C++ kernels cannot be built."""
     llm = LLM(str(tiny_model), attention_backend="torch", **SCHEDULING_PATHS["chunked_preempting"])
-    assert llm.engine.runner.backend.name == "torch"
+    assert llm.engine.core.runner.worker.backend.name == "torch"
     assert_matches_hf(llm, hf_reference, "chunked_preempting")
 
 
@@ -83,7 +83,7 @@ def test_triton_backend_matches_hf(tiny_model, hf_reference):
     """The Triton kernels in the engine (in the interpreter on a CPU): decodes beside prompt chunks
     that attend to earlier chunks, and recomputation after preemption."""
     llm = LLM(str(tiny_model), attention_backend="triton", dtype="float32", **SCHEDULING_PATHS["chunked_preempting"])
-    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.core.runner.worker.backend.name == "triton"
     assert_matches_hf(llm, hf_reference, "chunked_preempting")
 
 
@@ -105,7 +105,7 @@ def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
         assert [entry.token_id for entry in scored] == prompt[1:]
         assert [entry.logprob for entry in scored] == pytest.approx(prompt_logprobs, abs=1e-4)
     if "preempting" in path:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     assert llm.engine.kv_usage().num_used_blocks == 0
 
 
@@ -114,4 +114,4 @@ def assert_prefix_cached_run_matches_hf(model_dir: Path, hf_reference, **setting
     with LLM(str(model_dir), enable_prefix_caching=True, **settings) as llm:
         assert_matches_hf(llm, hf_reference, "one_batch")
         assert_matches_hf(llm, hf_reference, "one_batch")
-        assert llm.engine.scheduler.prefix_cache_hit_tokens > 0
+        assert llm.engine.core.scheduler.prefix_cache_hit_tokens > 0

@@ -57,8 +57,8 @@ def test_greedy_tokens_and_logprobs_match_hf(phi3, phi3_reference, path):
 def test_long_sequences_stay_out_of_the_prefix_cache_and_short_ones_share_it(phi3, phi3_reference):
     llm = LLM(str(phi3), enable_prefix_caching=True)
     assert_matches_hf(llm, phi3_reference, "one_batch")
-    hits_before = llm.engine.scheduler.prefix_cache_hit_tokens
+    hits_before = llm.engine.core.scheduler.prefix_cache_hit_tokens
     assert_matches_hf(llm, phi3_reference, "one_batch")
     # The 17-token prompt finds its first block (rotated short); the 48-token one, past the original context,
     # would find two if it shared the cache (the 31- and 70-token requests score their prompts: no reuse).
-    assert llm.engine.scheduler.prefix_cache_hit_tokens - hits_before == 16
+    assert llm.engine.core.scheduler.prefix_cache_hit_tokens - hits_before == 16

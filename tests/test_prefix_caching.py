@@ -52,7 +52,7 @@ def test_greedy_outputs_are_the_same_with_prefix_caching_on_and_off(tiny_model, 
     expected, _ = _run(tiny_model, prompts, enable_prefix_caching=False, **config)
     got, llm = _run(tiny_model, prompts, enable_prefix_caching=True, **config)
     assert got == expected
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     assert scheduler.prefix_cache_hit_tokens > 0
     assert llm.engine.kv_usage().num_used_blocks == 0  # every block free or cached and evictable
     assert scheduler.allocator.num_cached_blocks > 0
@@ -60,7 +60,7 @@ def test_greedy_outputs_are_the_same_with_prefix_caching_on_and_off(tiny_model, 
 
 def test_hits_are_the_full_blocks_of_the_cached_prefix(tiny_checkpoints, vocab_size):
     llm = LLM(str(tiny_checkpoints["llama"]))
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     prefix = _tokens(vocab_size, 3 * BLOCK_SIZE + 5, seed=3)
     llm.generate([prefix], GREEDY)  # caches its 3 full prompt blocks (and 0 more: 53 + 8 - 1 < 64)
     assert (scheduler.prefix_cache_queried_tokens, scheduler.prefix_cache_hit_tokens) == (53, 0)
@@ -71,7 +71,7 @@ def test_hits_are_the_full_blocks_of_the_cached_prefix(tiny_checkpoints, vocab_s
 
 def test_a_fully_cached_prompt_still_computes_its_last_block_for_logits(tiny_checkpoints, vocab_size):
     llm = LLM(str(tiny_checkpoints["llama"]))
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     prompt = _tokens(vocab_size, 2 * BLOCK_SIZE, seed=5)  # exactly two blocks
     (first,) = llm.generate([prompt], GREEDY)
     (again,) = llm.generate([prompt], GREEDY)
@@ -83,7 +83,7 @@ def test_a_cache_salt_shares_blocks_within_the_salt_only(tiny_checkpoints, vocab
     """Same prompt, different salts (or none): no shared block; same salt: the cached prefix is found. The tokens
     are the same either way."""
     llm = LLM(str(tiny_checkpoints["llama"]))
-    engine, scheduler = llm.engine, llm.engine.scheduler
+    engine, scheduler = llm.engine, llm.engine.core.scheduler
     prompt = _tokens(vocab_size, 3 * BLOCK_SIZE + 5, seed=6)
 
     def hits_of(salt: str | None) -> tuple[int, list[int]]:
@@ -110,7 +110,7 @@ def test_aborting_one_holder_of_a_shared_prefix_leaves_the_other_unchanged(tiny_
     kept = engine.add_request(prompts[1], GREEDY)
     aborted = engine.add_request(prompts[0], GREEDY)
     released = engine.step()  # both hold the shared blocks now
-    assert engine.scheduler.prefix_cache_hit_tokens >= 2 * 32
+    assert engine.core.scheduler.prefix_cache_hit_tokens >= 2 * 32
     engine.abort(aborted)
     while engine.has_unfinished():
         released += engine.step()

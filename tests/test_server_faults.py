@@ -43,8 +43,8 @@ def fragile(tiny_checkpoints):
 
 def inject(running: RunningServer, monkeypatch, plan: FaultPlan) -> FaultyExecute:
     """Counts steps from now; undone at the end of the test."""
-    faulty = FaultyExecute(running.engine.runner.execute, plan)
-    monkeypatch.setattr(running.engine.runner, "execute", faulty)
+    faulty = FaultyExecute(running.engine.core.runner.execute, plan)
+    monkeypatch.setattr(running.engine.core.runner, "execute", faulty)
     return faulty
 
 
@@ -86,7 +86,7 @@ def test_a_failing_step_answers_500_and_health_is_503_until_a_step_succeeds(frag
 
 def test_a_reader_slower_than_the_engine_gets_the_tokens_made_before_a_failure_then_the_error():
     async def read_after_both_arrived() -> list:
-        stream = RequestStream(asyncio.get_running_loop())
+        stream = RequestStream()
         stream.add(RequestDelta("r", [5], "a", None, None))
         stream.add(RequestDelta("r", [6], "b", None, None))
         stream.set_error(RuntimeError("step failed"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvserve.engine import LLM, SamplingParams
+from kvserve.scheduler import FinishReason
 from tests.server_harness import TINY_MODEL, RunningServer, assert_nothing_allocated, slow_down_steps, tiny_server
 
 COMPLETIONS = "/v1/completions"
@@ -36,7 +37,7 @@ class StormReport:
 
 def phase_of(running: RunningServer, request_id: str) -> str:
     """Where the engine holds a request: queued (waiting or preempted), prefill, decode, or gone (finished)."""
-    scheduler = running.engine.scheduler
+    scheduler = running.engine.core.scheduler
     if any(request.request_id == request_id for request in scheduler.waiting):
         return "queued"
     for request in scheduler.running:
@@ -46,13 +47,15 @@ def phase_of(running: RunningServer, request_id: str) -> str:
 
 
 def record_engine_aborts(running: RunningServer, monkeypatch, report: StormReport) -> None:
-    abort = running.engine.abort
+    core = running.engine.core
+    finish = core.finish
 
-    def recording_abort(request_id: str):
-        report.engine_aborts[phase_of(running, request_id)] += 1  # the engine thread: no race with the scheduler
-        return abort(request_id)
+    def recording_finish(request_id: str, reason: FinishReason = FinishReason.ABORT):
+        if reason is FinishReason.ABORT:  # the engine thread: no race with the scheduler
+            report.engine_aborts[phase_of(running, request_id)] += 1
+        return finish(request_id, reason)
 
-    monkeypatch.setattr(running.engine, "abort", recording_abort)
+    monkeypatch.setattr(core, "finish", recording_finish)
 
 
 async def one_client(client: httpx.AsyncClient, behaviour: str, rng: random.Random, report: StormReport) -> None:
@@ -157,7 +160,7 @@ def test_exhausting_the_kv_cache_preempts_yet_every_request_gets_its_unconstrain
                "ignore_eos": True} for prompt in prompts]  # fmt: skip
     with tiny_server(tiny_checkpoints, kv_cache_memory_bytes=KV_EXHAUSTION_BYTES, max_num_seqs=16) as running:
         num_tokens_needed = sum(len(prompt) + LONG_MAX_TOKENS for prompt in prompts)
-        assert num_tokens_needed > 4 * running.engine.kv_cache.num_tokens
+        assert num_tokens_needed > 4 * running.engine.core.kv_cache.num_tokens
         responses = asyncio.run(post_all(running.base_url, bodies))
 
         assert [response.status_code for response in responses] == [200] * NUM_LONG_REQUESTS

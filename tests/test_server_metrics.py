@@ -113,7 +113,7 @@ def test_every_metric_is_exposed_with_its_type_and_labels(fresh):
     reasons = {s.labels["finished_reason"] for s in kvserve["kvserve:requests_finished"].samples}
     assert reasons == {"stop", "length", "abort", "error"}
     assert {s.labels["reason"] for s in kvserve["kvserve:requests_rejected"].samples} == {"overload", "validation"}
-    assert fresh.metric("kv_cache_blocks") == fresh.engine.kv_cache.num_blocks > 0
+    assert fresh.metric("kv_cache_blocks") == fresh.engine.core.kv_cache.num_blocks > 0
     assert "process_resident_memory_bytes" in families
 
 
@@ -126,7 +126,7 @@ def test_counters_and_histograms_follow_a_known_workload(fresh, client):
         client.completions.create(prompt="A block table", **greedy(3)).usage,
     ]  # fmt: skip
     # Every token is a stop token: finished by "stop" after exactly one token.
-    every_token = list(range(fresh.engine.vocab_size))
+    every_token = list(range(fresh.engine.core.vocab_size))
     stopped = client.completions.create(prompt="Stop at once", **greedy(9, stop_token_ids=every_token))
     assert stopped.choices[0].finish_reason == "stop"
     usages.append(stopped.usage)

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from kvserve.engine import RequestDelta, SamplingParams
-from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.async_engine import GenerationStream, RequestStream
+from kvserve.engine.request import ProcessedRequest
 from kvserve.server.generation import Generation
 
 MODEL = "tiny-llama"
@@ -602,14 +603,7 @@ def test_each_choice_finishes_once_even_when_its_deltas_queue_up_behind_a_slow_r
     the reader must see them in order, report that choice finished once, and still wait for the others."""
 
     class FakeEngine:
-        def __init__(self) -> None:
-            self.streams: dict[str, RequestStream] = {}
-
-        def submit(self, request_id, prompt_token_ids, params, loop) -> RequestStream:
-            self.streams[request_id] = RequestStream(loop)
-            return self.streams[request_id]
-
-        def abort(self, request_id) -> None:
+        def abort(self, request_ids) -> None:
             pass
 
     def delta(index: int, token_id: int, finish_reason: str | None) -> RequestDelta:
@@ -620,17 +614,18 @@ def test_each_choice_finishes_once_even_when_its_deltas_queue_up_behind_a_slow_r
             await asyncio.sleep(0)
 
     async def read_all() -> list[tuple[int, str | None]]:
-        engine = FakeEngine()
-        generation = Generation(engine, "cmpl-x", "tiny-llama", on_disconnect=lambda: None)
-        generation.submit([[1]], SamplingParams(), n=2)
+        streams = [RequestStream(), RequestStream()]
+        processed = ProcessedRequest([[1]], [SamplingParams()], n=2)
+        stream = GenerationStream(FakeEngine(), processed, ["cmpl-x-0", "cmpl-x-1"], streams)
+        generation = Generation(stream, "cmpl-x", on_disconnect=lambda: None)
         updates = generation.updates()
-        engine.streams["cmpl-x-1"].add(delta(1, 5, None))
+        streams[1].add(delta(1, 5, None))
         seen = [((choice := (await anext(updates))[0]).index, choice.finish_reason)]
-        engine.streams["cmpl-x-0"].add(delta(0, 5, None))
+        streams[0].add(delta(0, 5, None))
         await settle()
-        engine.streams["cmpl-x-0"].add(delta(0, 6, "length"))
+        streams[0].add(delta(0, 6, "length"))
         await settle()
-        engine.streams["cmpl-x-1"].add(delta(1, 6, "length"))
+        streams[1].add(delta(1, 6, "length"))
         seen += [(choice.index, choice.finish_reason) async for choice, _ in updates]
         assert [(choice.token_ids, choice.text) for choice in generation.choices] == [([5, 6], "ab"), ([5, 6], "ab")]
         return seen

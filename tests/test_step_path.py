@@ -8,16 +8,18 @@ import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine import sampler as sampler_module
-from kvserve.engine.decode_graphs import EagerReplay, capture_sizes
-from kvserve.engine.kv_sizing import prefill_batch
+from kvserve.engine.decode_graphs import capture_sizes
+from kvserve.engine.kv_sizing import MemoryProbe, StepLimits, paged_kv_layers
 from kvserve.engine.model_loader import load_model
-from kvserve.engine.model_runner import ModelRunner, paged_kv_layers
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sampler import PenaltyState, SamplingRow, sample
-from kvserve.engine.step_inputs import BlockTableRows
-from kvserve.kernels import TorchAttentionBackend
+from kvserve.engine.step_inputs import BlockTables
+from kvserve.engine.step_plan import StepPlanner
+from kvserve.engine.worker import Worker
+from kvserve.kernels import TorchBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kvcache import BlockAllocator, KVCache, KVCacheSpec
-from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from kvserve.scheduler import FinishReason, Request, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 
 META = torch.device("meta")
 
@@ -32,10 +34,11 @@ def test_a_step_reads_nothing_back_from_the_device_but_the_sampled_tokens(tiny_c
     config = model.config
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, block_size=16)
     num_blocks = 8
-    runner = ModelRunner(
-        model, KVCache.allocate(spec, num_blocks, META), TorchAttentionBackend(), META, max_num_seqs=6,
-        max_num_batched_tokens=40, max_model_len=512,
+    worker = Worker(
+        model, KVCache.allocate(spec, num_blocks, META), TorchBackend(), StepLimits(512, 40), max_num_seqs=6,
+        device=META,
     )  # fmt: skip
+    runner = ModelRunner(worker, max_num_seqs=6)
     scheduler_config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=40, enable_chunked_prefill=True)
     scheduler = Scheduler(scheduler_config, BlockAllocator(num_blocks), 16)
     transfers = []
@@ -79,18 +82,28 @@ def test_a_step_reads_nothing_back_from_the_device_but_the_sampled_tokens(tiny_c
 
 
 def test_block_table_rows_grow_in_place_and_rows_are_reused():
-    table = BlockTableRows(max_num_seqs=3, max_blocks_per_seq=4, padding_block=99, device=torch.device("cpu"))
+    """Rank 0's planner gives each running request a row and sends only the blocks added since the last step; a
+    rank's tables, written from those entries alone, hold every request's blocks."""
+    planner = StepPlanner(max_num_seqs=3, long_rope=False)
+    table = BlockTables(max_num_seqs=3, max_blocks_per_seq=4, padding_block=99, device=torch.device("cpu"))
     first = Request(request_id="a", prompt_token_ids=[1], block_ids=[5])
     second = Request(request_id="b", prompt_token_ids=[1], block_ids=[7, 8])
-    row_a, row_b = table.row_of(first), table.row_of(second)
-    assert row_a != row_b and table.padding_row not in (row_a, row_b)
+
+    def step(*requests: Request, left_running: tuple[str, ...] = ()) -> tuple[list[int], int]:
+        output = SchedulerOutput([ScheduledRequest.of(r, 1) for r in requests], left_running=list(left_running))
+        plan = planner.plan(output)
+        table.write(plan.table_entries)
+        return plan.rows.tolist(), plan.table_entries.shape[1]
+
+    (row_a, row_b), num_entries = step(first, second)
+    assert row_a != row_b and table.padding_row not in (row_a, row_b) and num_entries == 3
     first.block_ids += [9, 11]
-    assert table.row_of(first) == row_a
+    assert step(first, second) == ([row_a, row_b], 2)  # the two new blocks only
     assert table.device_table[row_a, :3].tolist() == [5, 9, 11]
+    assert table.device_table[row_b, :2].tolist() == [7, 8]
     assert table.device_table[table.padding_row].tolist() == [99] * 4
-    table.release("a")
     third = Request(request_id="c", prompt_token_ids=[1], block_ids=[3])
-    assert table.row_of(third) == row_a  # the freed row, rewritten from its first block
+    assert step(third, left_running=("a",)) == ([row_a], 1)  # the freed row, rewritten from its first block
     assert table.device_table[row_a, 0].item() == 3
 
 
@@ -106,15 +119,14 @@ def test_padded_decode_graphs_give_the_eager_tokens(tiny_checkpoints):
     settings = {"max_num_seqs": 5, "max_num_batched_tokens": 32}
     expected = LLM(model_dir, **settings).generate(prompts, params)
 
-    llm = LLM(model_dir, **settings)
-    llm.engine.runner.capture_decode_graphs(capture_sizes(5), kind=EagerReplay)
-    graphs = llm.engine.runner.decode_graphs
+    llm = LLM(model_dir, eager_graph_replay=True, **settings)
+    graphs = llm.engine.core.runner.worker.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 5]
     replays = []
     for size, graph in graphs.graphs.items():
         replay = graph.replay
         graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
-    padding_block = llm.engine.kv_cache.padding_block
+    padding_block = llm.engine.core.kv_cache.padding_block
     outputs = llm.generate(prompts, params)
 
     assert {3, 4, 5} & set(replays)  # batches of 3 padded to 4, and more, were replayed
@@ -122,7 +134,7 @@ def test_padded_decode_graphs_give_the_eager_tokens(tiny_checkpoints):
         assert got.token_ids == want.token_ids
         assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
     assert llm.engine.kv_usage().num_used_blocks == 0
-    assert llm.engine.kv_cache.key_caches[0][padding_block].abs().sum() > 0  # padding rows wrote there
+    assert llm.engine.core.kv_cache.key_caches[0][padding_block].abs().sum() > 0  # padding rows wrote there
 
 
 def test_capture_sizes_ladder():
@@ -134,9 +146,9 @@ def test_capture_sizes_ladder():
 
 def test_warm_up_runs_a_chunk_and_a_mixed_step_in_the_padding_block_alone(tiny_checkpoints):
     llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_memory_bytes=1 << 20)
-    cache = llm.engine.kv_cache
+    cache = llm.engine.core.kv_cache
     before = [key[: cache.num_blocks].clone() for key in cache.key_caches]
-    assert llm.engine.runner.warm_up() > 0
+    assert llm.engine.core.runner.worker.warm_up() > 0
     assert all(key[: cache.num_blocks].equal(old) for key, old in zip(cache.key_caches, before, strict=True))
     assert cache.key_caches[0][cache.padding_block].abs().sum() > 0
     # Its rows are free again: a full batch still gets one each.
@@ -146,14 +158,16 @@ def test_warm_up_runs_a_chunk_and_a_mixed_step_in_the_padding_block_alone(tiny_c
 
 
 def test_the_memory_probe_splits_its_prefill_into_prompts_within_the_context(tiny_checkpoints):
-    positions, metadata, num_blocks = prefill_batch(100, 40, 16, torch.device("cpu"))
+    probe = MemoryProbe.of(100, 40, 16)
+    inputs = probe.inputs(16, torch.device("cpu"))
+    metadata, positions, num_blocks = inputs.metadata, inputs.positions, probe.num_blocks
     assert metadata.query_lens_cpu == [40, 40, 20]
     assert positions.max().item() == 39 and metadata.query_start_loc.tolist() == [0, 40, 80, 100]
     assert metadata.slot_mapping.unique().numel() == 100 and metadata.slot_mapping.max().item() < num_blocks * 16
     model = load_model(tiny_checkpoints["llama"], torch.float32, torch.device("cpu"))
     spec = KVCacheSpec(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, torch.float32)
     caches = paged_kv_layers(KVCache.allocate(spec, num_blocks, torch.device("cpu")))
-    hidden = model(torch.zeros(100, dtype=torch.long), positions, caches, metadata, TorchAttentionBackend())
+    hidden = model(inputs.input_ids, positions, caches, metadata, TorchBackend())
     assert hidden.shape == (100, model.config.hidden_size) and hidden.isfinite().all()
 
 
@@ -164,9 +178,9 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_checkpoints):
     params = [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True, logprobs=0) for i in range(7)]
     settings = {"max_num_seqs": 5, "max_num_batched_tokens": 32, "dtype": "float32"}
     eager = LLM(model_dir, enforce_eager=True, **settings)
-    assert eager.engine.runner.decode_graphs is None
+    assert eager.engine.core.runner.worker.decode_graphs is None
     graphs = LLM(model_dir, **settings)
-    assert sorted(graphs.engine.runner.decode_graphs.graphs) == [1, 2, 4, 5]
+    assert sorted(graphs.engine.core.runner.worker.decode_graphs.graphs) == [1, 2, 4, 5]
     for got, want in zip(graphs.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert got.token_ids == want.token_ids
         assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)

@@ -213,7 +213,7 @@ def test_preempted_constrained_requests_still_match(tiny_checkpoints):
     llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_memory_bytes=10 * BLOCK_BYTES)
     spec, check = CONSTRAINTS["nested_json_schema"]
     outputs = llm.generate(PROMPTS * 4, _seeded(spec, max_tokens=140))
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     _assert_all_valid(outputs, check)
     _assert_nothing_left(llm)
 
@@ -226,7 +226,7 @@ def test_constrained_requests_match_with_prefix_caching_and_chunked_prefill(tiny
     spec, check = CONSTRAINTS["nested_json_schema"]
     _assert_all_valid(llm.generate(prompts[:1], _seeded(spec, num_seeds=1)), check)
     outputs = llm.generate(prompts * 3, _seeded(spec, num_seeds=12))
-    assert llm.engine.scheduler.prefix_cache_hit_tokens > 0
+    assert llm.engine.core.scheduler.prefix_cache_hit_tokens > 0
     _assert_all_valid(outputs, check)
     _assert_nothing_left(llm)
 

@@ -15,6 +15,7 @@ from kvserve.engine.models.decoder import DecoderConfig
 from kvserve.engine.models.moe import MoeConfig
 from kvserve.engine.models.rope import RopeConfig
 from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.testing.tiny_checkpoint import write_random_checkpoint
 from tests.test_parity import assert_matches_hf, assert_prefix_cached_run_matches_hf, build_hf_reference
 
@@ -122,8 +123,24 @@ def hf_reference(tiny_model):
 
 def test_two_ranks_give_hf_greedy_tokens_and_logprobs_batched_chunked_and_preempting(tiny_model, hf_reference):
     with LLM(str(tiny_model), tensor_parallel_size=2, **SPLIT_PATH) as llm:
-        assert llm.engine.model.plan.size == 2 and llm.engine.kv_cache.spec.num_kv_heads == 1
+        assert llm.engine.core.model.plan.size == 2 and llm.engine.core.kv_cache.spec.num_kv_heads == 1
         assert_matches_hf(llm, hf_reference, "chunked_preempting")
+
+
+@pytest.mark.skipif(not load_cpu_kernels(), reason="the eager replay reads device buffers only with the C++ kernels")
+def test_decode_graphs_replayed_on_both_ranks_give_hf_tokens(tiny_checkpoints):
+    """Every rank captures the decode ladder (replayed eagerly here, as CUDA graphs on GPUs) and replays the size
+    rank 0's plan names: a padded batch's all-reduces have one shape on both ranks, and the tokens are HF's."""
+    model_dir = tiny_checkpoints["llama"]
+    with LLM(str(model_dir), tensor_parallel_size=2, eager_graph_replay=True, **SPLIT_PATH) as llm:
+        graphs = llm.engine.core.runner.worker.decode_graphs
+        assert sorted(graphs.graphs) == [1, 2, 4]
+        replays = []
+        for size, graph in graphs.graphs.items():
+            replay = graph.replay
+            graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+        assert_matches_hf(llm, build_hf_reference(model_dir), "chunked_preempting")
+    assert {3, 4} & set(replays)  # batches of 3 padded to 4, or full ones, were replayed
 
 
 def test_two_ranks_with_a_cached_prefix_give_hf_tokens(tiny_checkpoints):
@@ -135,7 +152,7 @@ def test_two_ranks_with_a_cached_prefix_give_hf_tokens(tiny_checkpoints):
 def test_four_ranks_replicating_kv_heads_give_hf_tokens(tiny_checkpoints):
     model_dir = tiny_checkpoints["llama"]  # 8 query heads, 2 KV heads: each KV head on two of the four ranks
     with LLM(str(model_dir), tensor_parallel_size=4, max_num_seqs=4) as llm:
-        assert llm.engine.model.plan.num_heads == 2 and llm.engine.model.plan.num_kv_heads == 1
+        assert llm.engine.core.model.plan.num_heads == 2 and llm.engine.core.model.plan.num_kv_heads == 1
         assert_matches_hf(llm, build_hf_reference(model_dir), "staggered")
 
 
@@ -155,7 +172,7 @@ def test_one_kv_head_replicated_tied_embeddings_and_an_odd_vocabulary_give_hf_to
     # One KV head of 8 dims: a block is 2 KiB a rank, so 10 blocks take 20 KiB.
     settings = {**SPLIT_PATH, "kv_cache_memory_bytes": 10 * 2048}
     with LLM(str(one_kv_head_checkpoint), tensor_parallel_size=2, **settings) as llm:
-        plans = llm.engine.model.plan
+        plans = llm.engine.core.model.plan
         assert (plans.num_heads, plans.num_kv_heads, plans.vocab_rows) == (5, 1, 258)
         assert_matches_hf(llm, reference, "chunked_preempting")
 
@@ -191,5 +208,5 @@ def test_mixture_of_experts_split_over_two_ranks_gives_hf_tokens(family, tokeniz
     config = MOE_CONFIGS[family](len(tokenizer))
     model_dir = write_random_checkpoint(config, tokenizer, tmp_path_factory.mktemp(f"{family}-split"), seed=11)
     with LLM(str(model_dir), tensor_parallel_size=2, **SPLIT_PATH) as llm:
-        assert llm.engine.model.plan.expert_intermediate_size == 16
+        assert llm.engine.core.model.plan.expert_intermediate_size == 16
         assert_matches_hf(llm, build_hf_reference(model_dir), "chunked_preempting")

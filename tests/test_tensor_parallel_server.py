@@ -59,7 +59,7 @@ def test_a_split_server_answers_as_the_unsplit_engine_and_reports_its_ranks(tiny
         assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert running.metric("tensor_parallel_size") == 2
         assert httpx.get(f"{running.base_url}/health").status_code == 200
-        assert running.engine.kv_cache.spec.num_kv_heads == 1  # each rank: one of the two KV heads
+        assert running.engine.core.kv_cache.spec.num_kv_heads == 1  # each rank: one of the two KV heads
         assert_nothing_allocated(running)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.kernels import AttentionMetadata, AttentionShape, paged_attention, select_attention_backend
+from kvserve.kernels import AttentionMetadata, AttentionShape, paged_attention, select_backend
 from kvserve.kernels.triton_backend import num_decode_segments
 from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kvserve.kernels.triton_extend_attention import paged_extend_attention
@@ -140,7 +140,7 @@ def test_non_power_of_two_head_dim():
     batch = make_batch([1, 1, 6], [9, 30, 14], 4, 2, torch.float32, seed=6, head_dim=24)
     head_dim_scale = 24**-0.5
     expected = paged_attention(batch.query, batch.cache, batch.metadata, head_dim_scale)
-    backend = select_attention_backend("triton", DEVICE, AttentionShape(8, 4, 24))
+    backend = select_backend("triton", DEVICE, AttentionShape(8, 4, 24))
     actual = backend.paged_attention(batch.query, batch.cache, batch.metadata, head_dim_scale)
     assert_close(actual, expected, torch.float32)
 
@@ -151,7 +151,7 @@ def test_backend_runs_decodes_and_extends_of_one_step():
     seq_lens = [30, 4, 17, 24, 12, 6]
     batch = make_batch(query_lens, seq_lens, 8, 2, torch.float32, seed=7)
     assert batch.metadata.num_decodes == 3
-    backend = select_attention_backend("triton", DEVICE, AttentionShape(8, 8, HEAD_DIM))
+    backend = select_backend("triton", DEVICE, AttentionShape(8, 8, HEAD_DIM))
     actual = backend.paged_attention(batch.query, batch.cache, batch.metadata, HEAD_DIM**-0.5)
     assert_close(actual, reference(batch), torch.float32)
 

@@ -6,7 +6,7 @@ kernels run in Triton's interpreter, so shapes stay small."""
 import pytest
 import torch
 
-from kvserve.kernels import AttentionShape, PagedKV, paged_attention, select_attention_backend
+from kvserve.kernels import AttentionShape, PagedKV, paged_attention, select_backend
 from kvserve.kernels.torch_paged_attention import first_visible_position
 from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kvserve.kernels.triton_extend_attention import paged_extend_attention
@@ -67,7 +67,7 @@ def extend(batch: PagedBatch, window, softcap, block_m: int) -> torch.Tensor:
 
 def backend_attention(batch: PagedBatch, window, softcap) -> torch.Tensor:
     num_heads, head_dim = batch.query.shape[1:]
-    backend = select_attention_backend("triton", DEVICE, AttentionShape(8, num_heads, head_dim))
+    backend = select_backend("triton", DEVICE, AttentionShape(8, num_heads, head_dim))
     return backend.paged_attention(batch.query, batch.cache, batch.metadata, SCALE, window, softcap)
 
 

@@ -17,7 +17,7 @@ from kvserve.engine.models.moe import MoeConfig, SparseMoeBlock
 from kvserve.engine.models.rope import RopeConfig, RotaryEmbedding
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.sharding import ShardPlan
-from kvserve.kernels import AttentionBackend, AttentionMetadata, PagedKV
+from kvserve.kernels import AttentionMetadata, KernelBackend, PagedKV
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = config.attention_softcap
 
-    def forward(self, hidden, positions, kv_cache: PagedKV, metadata, backend: AttentionBackend):
+    def forward(self, hidden, positions, kv_cache: PagedKV, metadata, backend: KernelBackend):
         num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj.split(hidden)
+        query, key, value = self.qkv_proj.split(hidden, backend)
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,7 +96,7 @@ class Attention(nn.Module):
         query, key = self.rotary(positions, query, key, backend)
         backend.store_kv(key, value, kv_cache, metadata.slot_mapping)
         out = backend.paged_attention(query, kv_cache, metadata, self.scale, self.sliding_window, self.softcap)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), backend)
 
 
 class MLP(nn.Module):
@@ -111,12 +111,12 @@ class MLP(nn.Module):
         self.down_proj = _row_parallel(size, hidden_size, bias, group)
         self.gelu = hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, backend)
         if self.gelu:  # GeGLU (Gemma): a torch op, no fused kernel
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(backend.silu_and_mul(gate_up))
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up, backend)
+        return self.down_proj(backend.silu_and_mul(gate_up), backend)
 
 
 class DecoderLayer(nn.Module):
@@ -204,7 +204,7 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[PagedKV],
         metadata: AttentionMetadata,
-        backend: AttentionBackend,
+        backend: KernelBackend,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of the packed tokens after the final norm."""
         hidden, residual = self.model.embed_tokens(input_ids), None
@@ -215,10 +215,10 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, kv_cache, metadata, backend)
         return self.model.norm.add_and_norm(hidden, residual, backend)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, backend: KernelBackend) -> torch.Tensor | None:
         """Logits [rows, vocab_size] (fp32); with tensor parallelism each rank computes its vocabulary rows' and
         rank 0 gathers them (the others get None)."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden, backend).float()
         cap = self.config.final_logit_softcap
         logits = logits if cap is None else torch.tanh(logits / cap) * cap
         if self.group is None:

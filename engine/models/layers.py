@@ -1,12 +1,11 @@
 """Layers the decoders share: linear projections (packed ones too) and RMSNorm's parameters.
 
-On a CPU, float32 and bfloat16 GEMMs run in oneDNN on weights reordered once, at load time, into
-oneDNN's blocked layout (`pack_linear_weights`), instead of `F.linear`: for float32 that goes to
-MKL's sgemm, which on the AMD EPYC machines here runs its AVX2 code (`F.linear` took 2.3-4.0x the
-packed path's time for every projection of the benchmark model), and the packed weight saves oneDNN
-a reorder each call (10-25% at decode batch sizes, in bfloat16 too). BENCHMARKS.md has the figures
-(`benchmarks/cpu_gemm.py`). The packed copy sits beside the weight, so on a CPU the linear layers'
-weights take twice their memory.
+A linear layer's GEMM is the kernel backend's, on the backend's own form of the weight where it keeps one,
+made once at load time (`prepare_weights`). On a CPU that is oneDNN's blocked layout: float32 `F.linear` goes to
+MKL's sgemm, which on the AMD EPYC machines here runs its AVX2 code (`F.linear` took 2.3-4.0x the packed path's
+time for every projection of the benchmark model), and the packed weight saves oneDNN a reorder each call
+(10-25% at decode batch sizes, in bfloat16 too). BENCHMARKS.md has the figures (`benchmarks/cpu_gemm.py`). The
+packed copy sits beside the weight, so on a CPU the linear layers' weights take twice their memory.
 """
 
 from typing import TYPE_CHECKING
@@ -15,22 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import AttentionBackend, onednn
+from kvserve.kernels import KernelBackend
 
 if TYPE_CHECKING:
     from kvserve.engine.parallel.group import TensorParallelGroup
 
 
 class Linear(nn.Linear):
-    packed_weight: torch.Tensor | None = None  # oneDNN's blocked copy of the weight, on a CPU
+    prepared: object | None = None  # the backend's own form of the weight (`prepare_weights`), if it keeps one
 
-    def pack_weight(self) -> None:
-        self.packed_weight = onednn.pack(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return onednn.packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        return backend.linear(x, self.weight, self.bias, self.prepared)
 
 
 class RowParallelLinear(Linear):
@@ -42,8 +36,8 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x, backend))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -62,16 +56,6 @@ class VocabParallelEmbedding(nn.Embedding):
         elsewhere = (local_ids < 0) | (local_ids >= self.num_real_rows)
         vectors = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
         return self.group.all_reduce(vectors.masked_fill_(elsewhere.unsqueeze(-1), 0))
-
-
-def pack_linear_weights(model: nn.Module) -> bool:
-    """Pack every linear layer's weight for oneDNN, where that is the CPU path (see the module's docstring)."""
-    if not onednn.can_pack(next(model.parameters())):
-        return False
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack_weight()
-    return True
 
 
 class PackedLinear(Linear):
@@ -106,9 +90,9 @@ class PackedLinear(Linear):
             for name, _ in self.named_parameters(recurse=False)
         }
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def split(self, x: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, ...]:
         """The output of each part, as views of one GEMM's output."""
-        return self(x).split(tuple(self.parts.values()), dim=-1)
+        return self(x, backend).split(tuple(self.parts.values()), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -119,11 +103,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
         return backend.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, backend: AttentionBackend
+        self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the sum is the residual stream the next layer adds to."""
         return backend.add_rms_norm(x, residual, self.weight, self.eps)

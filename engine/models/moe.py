@@ -14,8 +14,7 @@ from torch import nn
 from kvserve.engine.models.layers import Linear
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.sharding import ShardPlan
-from kvserve.kernels import AttentionBackend
-from kvserve.kernels.torch_moe import OneDnnExperts
+from kvserve.kernels import KernelBackend
 
 
 @dataclass(frozen=True)
@@ -36,14 +35,8 @@ class Experts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.packed: OneDnnExperts | None = None  # on a CPU: the weights in oneDNN's layout, packed at load
-
-    def pack_weights(self) -> bool:
-        """Pack the loaded weights for oneDNN where that is the CPU path (as `pack_linear_weights` does)."""
-        if not OneDnnExperts.supports(self.gate_up_weight):
-            return False
-        self.packed = OneDnnExperts(self.gate_up_weight, self.down_weight)
-        return True
+        # The backend's own form of the weights (`prepare_weights`; on a CPU, oneDNN's packed layout), if it keeps one.
+        self.prepared: object | None = None
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Each expert's checkpoint weight names and the part of the stacked tensors they fill."""
@@ -78,24 +71,22 @@ class SparseMoeBlock(nn.Module):
         # (a read waits for the device), for the expert-load metrics.
         self.register_buffer("expert_tokens", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
 
-    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        weights, expert_ids = self.route(x)
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        weights, expert_ids = self.route(x, backend)
         routed = expert_ids.flatten()
         # Not bincount: on CUDA it reads the largest id back, which a captured graph cannot do.
         self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
         experts = self.experts
-        if experts.packed is not None:  # like `Linear`: the packed CPU path, whatever the attention backend
-            out = experts.packed.fused_moe(x, weights, expert_ids)
-        else:
-            out = backend.fused_moe(x, experts.gate_up_weight, experts.down_weight, weights, expert_ids)
+        out = backend.fused_moe(x, experts.gate_up_weight, experts.down_weight, weights, expert_ids, experts.prepared)
         if self.config.shared_expert_intermediate_size:
             # The sigmoid gate is the same on every rank, so gating each rank's part gates their sum.
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, backend)
+            gate = torch.sigmoid(self.shared_expert_gate(x, backend))
+            out = out + gate * self.shared_expert(x, backend)
         return out if self.group is None else self.group.all_reduce(out)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights (fp32) and expert ids: a softmax over all experts, in fp32 as HF."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        probs = torch.softmax(self.gate(x, backend).float(), dim=-1)
         weights, expert_ids = probs.topk(self.config.top_k, dim=-1)
         if self.config.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kernels import AttentionBackend
+from kvserve.kernels import KernelBackend
 
 
 class UnsupportedRopeError(ValueError):
@@ -150,5 +150,5 @@ class RotaryEmbedding(torch.nn.Module):
             sin.append(angles.sin() * attention_factor)
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, backend: AttentionBackend):
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, backend: KernelBackend):
         return backend.rotary_embedding(positions, query, key, self.cos, self.sin)

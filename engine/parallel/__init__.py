@@ -1,3 +1,3 @@
-"""Tensor parallelism: one model split over several processes (ranks). Rank 0 runs the engine (scheduler,
-block allocator, sampling); the other ranks run `worker.run_worker`, each over its shard of the weights and
-its share of the KV heads, stepping when rank 0's step message arrives."""
+"""Tensor parallelism: one model split over several processes (ranks). Every rank runs the same `Worker` over its
+shard of the weights and its share of the KV heads; rank 0 also runs the engine (scheduler, block allocator,
+sampling) and sends each step's plan to the others (`rank_process.run_rank`)."""

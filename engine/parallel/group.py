@@ -1,5 +1,5 @@
 """The ranks of a tensor-parallel engine and what they exchange: activations (all-reduce), the LM head's
-logits (gathered on rank 0, which samples), and each step's message from rank 0 (see step_message.py).
+logits (gathered on rank 0, which samples), and each step's plan from rank 0 (engine/step_plan.py).
 
 Activations go over the device's backend (NCCL on CUDA, gloo on a CPU); step messages always go over
 gloo, on the host, so a worker learns a step's shape without a device round trip. Every collective of a

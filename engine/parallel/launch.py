@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.sharding import ShardPlan, TensorParallelError
-from kvserve.engine.parallel.step_message import send_stop
+from kvserve.engine.step_plan import send_stop
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ STOP_TIMEOUT_S = 10.0  # how long stopped workers get to leave before they are k
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class RankSpec:
     """What a worker rank needs to build its shard: the engine's settings and where to meet rank 0."""
 
     config: EngineConfig
@@ -47,14 +47,14 @@ def launched_rank() -> int | None:
     return int(os.environ["RANK"])
 
 
-def launched_spec(config: EngineConfig, model_dir: str) -> WorkerSpec:
+def launched_spec(config: EngineConfig, model_dir: str) -> RankSpec:
     """The spec of a rank launched from outside, from the environment (checked against the settings)."""
     size = int(os.environ["WORLD_SIZE"])
     if size != config.tensor_parallel_size:
         raise TensorParallelError(f"WORLD_SIZE={size} but tensor_parallel_size is {config.tensor_parallel_size}")
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    return WorkerSpec(config, model_dir, rank, size, "env://", local_rank, spawned=False)
+    return RankSpec(config, model_dir, rank, size, "env://", local_rank, spawned=False)
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -124,15 +124,13 @@ def start_ranks(config: EngineConfig, model_dir: Path, device: torch.device) -> 
         return Ranks(TensorParallelGroup.join(0, size, spec.init_method, device, config.tensor_parallel_timeout_s))
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(size))
-    from kvserve.engine.parallel.worker import (
-        run_worker,  # worker.py imports this module: a top-level import would cycle
-    )
+    from kvserve.engine.parallel.rank_process import run_rank  # it imports this module: a top-level import cycles
 
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
-    specs = [WorkerSpec(config, str(model_dir), rank, size, init_method, rank, spawned=True) for rank in range(1, size)]
+    specs = [RankSpec(config, str(model_dir), rank, size, init_method, rank, spawned=True) for rank in range(1, size)]
     processes = [
-        context.Process(target=run_worker, args=(spec,), name=f"kvserve-tp-rank-{spec.rank}", daemon=True)
+        context.Process(target=run_rank, args=(spec,), name=f"kvserve-tp-rank-{spec.rank}", daemon=True)
         for spec in specs
     ]
     for process in processes:

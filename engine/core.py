@@ -1,0 +1,254 @@
+"""EngineCore: the step loop's owner — scheduler, model runner and sampler — over token ids only.
+
+It queues `CoreRequest`s the input processor accepted and, each step, schedules a batch, runs the model, samples
+one token for every request that reached its last token, and applies the stop conditions it can see without text:
+stop tokens (EOS unless ignored, `stop_token_ids`), `max_tokens`, and a grammar that rejects a token. What a step
+did comes back as one typed `StepResult`; text, stop strings and deltas are the output processor's.
+
+Besides the step it keeps the policies that decide what a step computes: prompt logprobs (`PromptScoring`), and
+LongRoPE's rule that a sequence grown past the original context computes its cache again with the long rotary set.
+"""
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.cpu_memory import keep_freed_memory_resident
+from kvserve.engine.engine_state import EngineState, StatsWindow, take_engine_state
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.models.moe import SparseMoeBlock
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.engine.parallel.launch import start_ranks
+from kvserve.engine.prompt_scoring import PromptScoring
+from kvserve.engine.request import CoreRequest
+from kvserve.engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, sample
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
+from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
+from kvserve.engine.worker import Worker
+from kvserve.kvcache import BlockAllocator, KVUsage
+from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sampling:
+    """A request's sampling state beside the scheduler's token state."""
+
+    params: SamplingParams
+    row: SamplingRow  # its generator (seeded requests), penalty counts, logit bias and grammar
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int], grammars: GrammarCompiler
+    ) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        if self.device.type == "cpu":
+            keep_freed_memory_resident()
+        self.model_dir = model_dir
+        self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+        # With tensor parallelism the other ranks start here and build their shards beside this one.
+        self.ranks = start_ranks(config, model_dir, self.device) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build_worker(config)
+        except BaseException:
+            self.kill_ranks()
+            raise
+        num_blocks = self.kv_cache.num_blocks
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=self.limits.max_num_batched_tokens,
+                watermark_blocks=int(num_blocks * config.watermark_fraction),
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            BlockAllocator(num_blocks),
+            config.block_size,
+        )
+        self._token_masks = TokenMasks(config.max_num_seqs, grammars.mask_vocab_size, self.vocab_size, self.device)
+        self._sampling: dict[str, _Sampling] = {}
+        self._prompt_scoring = PromptScoring()
+        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
+
+    def _build_worker(self, config: EngineConfig) -> None:
+        group = self.ranks.group if self.ranks is not None else None
+        worker = Worker.load(config, self.model_dir, self.device, group)
+        self.runner = ModelRunner(worker, config.max_num_seqs, group)
+        self.model, self.kv_cache, self.limits = worker.model, worker.kv_cache, worker.limits
+        self.vocab_size = self.model.config.vocab_size
+        self._moe_blocks = [module for module in self.model.modules() if isinstance(module, SparseMoeBlock)]
+        self.take_expert_tokens()  # the warm-up's and captures' tokens are no load
+
+    # Requests
+
+    def add(self, request: CoreRequest) -> None:
+        """Queue a request the input processor accepted."""
+        params, token_ids = request.params, request.prompt_token_ids
+        seeded = params.seed is not None and not params.is_greedy
+        row = SamplingRow(
+            params,
+            generator=torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None,
+            penalties=PenaltyState.of(token_ids, self.vocab_size, self.device) if params.has_penalties else None,
+            logit_bias=LogitBias.of(params.logit_bias, self.device) if params.logit_bias else None,
+            grammar=self.grammars.matcher(params.structured_output) if params.structured_output else None,
+        )
+        # A cached prefix has no logits: a request that wants the prompt's logprobs computes all of it.
+        wants_prompt_logprobs = params.prompt_logprobs is not None
+        scheduled = Request(
+            request.request_id, token_ids, reuses_cached_prefix=not wants_prompt_logprobs, cache_salt=request.cache_salt
+        )
+        if self._rotates_long(scheduled):
+            _keep_out_of_prefix_cache(scheduled)
+        self.scheduler.add(scheduled)
+        self._sampling[request.request_id] = _Sampling(params, row)
+        if wants_prompt_logprobs:
+            self._prompt_scoring.add(scheduled, params.prompt_logprobs)
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Take a request out wherever it is and free its blocks at once (an abort, or a stop string the output
+        processor found); False if the core no longer has it."""
+        request = self.scheduler.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish(request, reason)
+        self._forget(request_id)
+        return True
+
+    def finish_all(self) -> list[str]:
+        """Abort every request (a failed step, a shutdown); their ids."""
+        request_ids = list(self._sampling)
+        for request_id in request_ids:
+            self.finish(request_id)
+        return request_ids
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # The step
+
+    def step(self) -> StepResult:
+        """Run one batch; the token of every request that sampled, and what ran."""
+        if self.runner.worker.inputs.long_rope is not None:
+            self._recompute_requests_grown_past_short_rope()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return EMPTY_STEP
+        states, sampling, rows = self._sampling, [], []
+        for item in scheduler_output.scheduled:
+            if item.samples_next_token:
+                state = states[item.request.request_id]
+                sampling.append((item.request, state))
+                rows.append(self._sampling_row(item.request, state))
+        prompt_rows, prompt_targets = self._prompt_scoring.rows(scheduler_output)
+        logits = self.runner.execute(scheduler_output, prompt_rows)
+        if prompt_rows:
+            self._prompt_scoring.record(logits[len(rows) :], prompt_targets)
+        sampled = sample(logits[: len(rows)], rows, self._generator, self._token_masks)
+        self.scheduler.update(scheduler_output, [token.token_id for token in sampled])
+        outputs = []
+        for (request, state), token in zip(sampling, sampled, strict=True):
+            logprob = None if token.logprob is None else TokenLogprob(token.token_id, token.logprob, token.top_logprobs)
+            output = CoreOutput(request.request_id, token.token_id, logprob, self._finish_reason(request, state, token))
+            if state.params.prompt_logprobs is not None:
+                output.prompt_logprobs = self._prompt_scoring.take_complete(request)
+            if output.finish_reason is not None:
+                self.scheduler.finish(request, output.finish_reason)
+                self._forget(request.request_id)
+            outputs.append(output)
+        return StepResult(outputs, scheduler_output)
+
+    def _finish_reason(self, request: Request, sampling: "_Sampling", token: SampledToken) -> FinishReason | None:
+        """Why the token ends the request, if it does: a stop token, max_tokens, or a grammar that rejects it."""
+        params, grammar, token_id = sampling.params, sampling.row.grammar, token.token_id
+        if grammar is not None and not grammar.consume_token(token_id):
+            # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
+            logger.error("request %s: its grammar rejected sampled token %d", request.request_id, token_id)
+            return FinishReason.ABORT
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _sampling_row(self, request: Request, sampling: "_Sampling") -> SamplingRow:
+        """Its row; before min_tokens, one that bans EOS and the stop ids."""
+        params = sampling.params
+        if len(request.output_token_ids) >= params.min_tokens:
+            return sampling.row
+        banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
+        return replace(sampling.row, banned_token_ids=banned)
+
+    def _forget(self, request_id: str) -> None:
+        del self._sampling[request_id]
+        self._prompt_scoring.discard(request_id)
+
+    def _rotates_long(self, request: Request) -> bool:
+        """LongRoPE: a sequence longer than the original context rotates all its tokens with the long set."""
+        long_rope = self.runner.worker.inputs.long_rope
+        return long_rope is not None and request.num_tokens > long_rope[0]
+
+    def _recompute_requests_grown_past_short_rope(self) -> None:
+        """A sequence that grew past the original context computes its whole cache again with the long
+        frequencies, as HF does (Phi-3's `prepare_inputs_for_generation` drops its cache there)."""
+        # Whether a request still shares the prefix cache tells that its keys were rotated with the short set.
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.caches_blocks and self._rotates_long(request):
+                _keep_out_of_prefix_cache(request)
+                if request.status is RequestStatus.RUNNING:
+                    self.scheduler.recompute(request)
+
+    # What the engine reports between steps
+
+    def kv_usage(self) -> KVUsage:
+        return self.scheduler.kv_usage()
+
+    def queue_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def engine_state(self, window: StatsWindow, now_s: float, wall_time_s: float) -> EngineState:
+        """The console's snapshot: between steps only."""
+        return take_engine_state(self.scheduler, window, now_s, wall_time_s)
+
+    def take_expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert, summed over the MoE layers, since the last call (empty without experts).
+        Waits for the device: call it now and then, not every step."""
+        if not self._moe_blocks:
+            return []
+        counts = torch.stack([block.expert_tokens for block in self._moe_blocks]).sum(dim=0).tolist()
+        for block in self._moe_blocks:
+            block.expert_tokens.zero_()
+        return counts
+
+    # Tensor-parallel ranks
+
+    def rank_failure(self) -> str | None:
+        """Why a tensor-parallel rank this engine started is gone (it exited), or None."""
+        return self.ranks.failure() if self.ranks is not None else None
+
+    def kill_ranks(self) -> None:
+        """End the other ranks at once (a collective failed: they are out of step and may not hear a stop)."""
+        if self.ranks is not None:
+            self.ranks.kill()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the core takes no more steps)."""
+        if self.ranks is not None:
+            self.ranks.stop()
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return self.ranks is not None
+
+
+def _keep_out_of_prefix_cache(request: Request) -> None:
+    # Its keys are rotated with the long set: not those a shorter sequence's prefix would have.
+    request.reuses_cached_prefix = request.caches_blocks = False

@@ -1,0 +1,170 @@
+"""A step's plan: everything a rank needs to run one forward, as plain host arrays, built from the scheduler's
+output on rank 0 (`StepPlanner`) and run the same way by every rank (`Worker.execute`).
+
+It holds the packed token ids, each sequence's query and context lengths and its block-table row, the rows
+whose logits the step computes, and the block-table entries written since the last step (so each rank keeps
+its own copy of the block tables without ever receiving them whole). With tensor parallelism rank 0 broadcasts
+it to the others (`send` / `receive`: one fixed-size header, then one int64 payload), O(tokens + sequences +
+new blocks), never the scheduler's state.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.scheduler import Request, SchedulerOutput
+
+_HEADER_SIZE = 7  # running, tokens, sequences, logit rows, table entries, has sequence lengths, graph size
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    input_ids: np.ndarray  # [num_tokens] int64
+    query_lens: np.ndarray  # [num_seqs] int64: new tokens of each sequence (padding sequences: 1)
+    seq_lens: np.ndarray  # [num_seqs] int64: context length including the new tokens
+    rows: np.ndarray  # [num_seqs] int64: each sequence's block-table row (padding sequences: the padding row)
+    logit_rows: np.ndarray  # [num_logit_rows] int64: token rows whose logits the step returns, in that order
+    table_entries: np.ndarray  # [3, num_entries] int64: (row, column, block id) written since the last step
+    sequence_lens: np.ndarray | None  # [num_seqs] int64: LongRoPE models only, each sequence's whole length
+    graph_size: int = 0  # a padded pure-decode batch replays the graph of this size; 0: run eagerly
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @classmethod
+    def in_padding_block(
+        cls, query_lens: list[int], seq_lens: list[int], padding_row: int, long_rope: bool,
+        logit_rows: tuple[int, ...] = (),
+    ) -> "StepPlan":  # fmt: skip
+        """Sequences in the padding row, which only the padding block fills (so none may be longer than a block):
+        what they write no request reads. A graph's capture, and the warm-up, run such steps."""
+        num_seqs = len(seq_lens)
+        return cls(
+            input_ids=np.zeros(sum(query_lens), dtype=np.int64), query_lens=np.array(query_lens, dtype=np.int64),
+            seq_lens=np.array(seq_lens, dtype=np.int64), rows=np.full(num_seqs, padding_row, dtype=np.int64),
+            logit_rows=np.array(logit_rows, dtype=np.int64), table_entries=np.zeros((3, 0), dtype=np.int64),
+            sequence_lens=np.array(seq_lens, dtype=np.int64) if long_rope else None,
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """What `send` broadcasts."""
+        parts = (self.input_ids, self.query_lens, self.seq_lens, self.rows, self.logit_rows, self.table_entries)
+        num_sequence_lens = 0 if self.sequence_lens is None else len(self.sequence_lens)
+        return 8 * (_HEADER_SIZE + sum(part.size for part in parts) + num_sequence_lens)
+
+    def send(self, group: TensorParallelGroup) -> None:
+        """Rank 0: broadcast this plan to the other ranks."""
+        header = [1, self.num_tokens, self.num_seqs, len(self.logit_rows), self.table_entries.shape[1],
+                  int(self.sequence_lens is not None), self.graph_size]  # fmt: skip
+        group.broadcast_from_first(torch.tensor(header, dtype=torch.int64), announces_step=True)
+        parts = [self.input_ids, self.query_lens, self.seq_lens, self.rows, self.logit_rows,
+                 self.table_entries.reshape(-1)]  # fmt: skip
+        if self.sequence_lens is not None:
+            parts.append(self.sequence_lens)
+        group.broadcast_from_first(torch.from_numpy(np.concatenate(parts)))
+
+    @classmethod
+    def receive(cls, group: TensorParallelGroup) -> "StepPlan | None":
+        """The other ranks: the next plan, or None when rank 0 says stop (`send_stop`)."""
+        header = group.broadcast_from_first(torch.zeros(_HEADER_SIZE, dtype=torch.int64), announces_step=True)
+        running, num_tokens, num_seqs, num_logit_rows, num_entries, has_sequence_lens, graph_size = header.tolist()
+        if not running:
+            return None
+        sizes = [num_tokens, num_seqs, num_seqs, num_seqs, num_logit_rows, 3 * num_entries]
+        sizes += [num_seqs] if has_sequence_lens else []
+        payload = group.broadcast_from_first(torch.empty(sum(sizes), dtype=torch.int64)).numpy()
+        parts = np.split(payload, np.cumsum(sizes)[:-1])
+        return cls(
+            input_ids=parts[0], query_lens=parts[1], seq_lens=parts[2], rows=parts[3], logit_rows=parts[4],
+            table_entries=parts[5].reshape(3, num_entries), sequence_lens=parts[6] if has_sequence_lens else None,
+            graph_size=graph_size,
+        )  # fmt: skip
+
+
+def send_stop(group: TensorParallelGroup) -> None:
+    """Rank 0: tell the other ranks to leave their loop."""
+    group.broadcast_from_first(torch.zeros(_HEADER_SIZE, dtype=torch.int64), announces_step=True)
+
+
+class StepPlanner:
+    """Rank 0: turns the scheduler's output into a `StepPlan`, keeping which block-table row each running request
+    holds and how many of its blocks every rank's table already has.
+
+    A request gets a row the first time it is scheduled and keeps it until it leaves the running batch
+    (finished, aborted or preempted); blocks are appended to its row as the scheduler allocates them. The last
+    row, `padding_row`, holds only the padding block: padding sequences of a batch point there.
+    """
+
+    def __init__(self, max_num_seqs: int, long_rope: bool) -> None:
+        self.padding_row = max_num_seqs
+        self.long_rope = long_rope
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._row_of: dict[str, int] = {}
+        self._num_written = [0] * max_num_seqs
+
+    def release(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def plan(self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, graph_size: int = 0) -> StepPlan:
+        """The step's plan: the scheduled requests' tokens, then (to `graph_size`) padding sequences; the logits
+        of each request that samples, in schedule order, then of `extra_logit_rows` (rows of the step's tokens)."""
+        for request_id in output.left_running:
+            self.release(request_id)
+        token_ids, query_lens, seq_lens, rows, sample_rows = [], [], [], [], []
+        entry_rows, entry_columns, entry_blocks = [], [], []
+        row_of, num_written = self._row_of, self._num_written
+        for item in output.scheduled:
+            request, start, num_new_tokens = item.request, item.start_position, item.num_new_tokens
+            end = start + num_new_tokens
+            output_start = start - len(request.prompt_token_ids)
+            if num_new_tokens == 1 and output_start >= 0:  # a decode: its last sampled token
+                token_ids.append(request.output_token_ids[output_start])
+            else:
+                token_ids += request.token_ids(start, end)
+            query_lens.append(num_new_tokens)
+            seq_lens.append(end)
+            row = row_of.get(request.request_id)
+            if row is None or num_written[row] != len(request.block_ids):  # new to the batch, or given blocks
+                row = self._row(request, entry_rows, entry_columns, entry_blocks)
+            rows.append(row)
+            if item.samples_next_token:
+                sample_rows.append(len(token_ids) - 1)
+        num_padding = graph_size - len(rows) if graph_size else 0
+        sequence_lens = None
+        if self.long_rope:
+            sequence_lens = np.array([item.request.num_tokens for item in output.scheduled] + [1] * num_padding)
+        return StepPlan(
+            input_ids=np.array(token_ids + [0] * num_padding, dtype=np.int64),
+            query_lens=np.array(query_lens + [1] * num_padding, dtype=np.int64),
+            seq_lens=np.array(seq_lens + [1] * num_padding, dtype=np.int64),
+            rows=np.array(rows + [self.padding_row] * num_padding, dtype=np.int64),
+            logit_rows=np.array(sample_rows + (extra_logit_rows or []), dtype=np.int64),
+            table_entries=np.array([entry_rows, entry_columns, entry_blocks], dtype=np.int64).reshape(3, -1),
+            sequence_lens=sequence_lens,
+            graph_size=graph_size,
+        )
+
+    def _row(self, request: Request, entry_rows: list, entry_columns: list, entry_blocks: list) -> int:
+        """The request's row, with the blocks the scheduler gave it since the last step added to the entries."""
+        row = self._row_of.get(request.request_id)
+        if row is None:
+            row = self._row_of[request.request_id] = self._free_rows.pop()
+            self._num_written[row] = 0
+        num_written, block_ids = self._num_written[row], request.block_ids
+        if len(block_ids) > num_written:
+            new_blocks = block_ids[num_written:]
+            entry_rows += [row] * len(new_blocks)
+            entry_columns += range(num_written, len(block_ids))
+            entry_blocks += new_blocks
+            self._num_written[row] = len(block_ids)
+        return row

@@ -1,0 +1,32 @@
+"""What one step of the engine core returns: the tokens each request got, and what was scheduled."""
+
+from dataclasses import dataclass
+
+from kvserve.engine.outputs import TokenLogprob
+from kvserve.scheduler import FinishReason, SchedulerOutput
+
+
+@dataclass(slots=True)  # not frozen: one per request per step, and a frozen init is 4x slower
+class CoreOutput:
+    """One request's news from a step: its new token, and whether the core finished it (a stop token, max_tokens,
+    or a grammar that rejected the token). Stop strings are the output processor's: it sees the text."""
+
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None  # ids and numbers only, if the request asked for logprobs
+    finish_reason: FinishReason | None  # STOP: the token is a stop token
+    # Once, with the first output after the prompt was scored, if asked for: None for the first prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: list[CoreOutput]  # one per request that sampled a token, in schedule order
+    scheduled: SchedulerOutput  # what ran: the batch, its tokens, the preemptions
+
+    @property
+    def ran_model(self) -> bool:
+        return not self.scheduled.is_empty
+
+
+EMPTY_STEP = StepResult([], SchedulerOutput(scheduled=[]))

@@ -1,0 +1,96 @@
+"""Worker: one rank's part of the model, its KV heads' cache, its step inputs and its captured decode graphs.
+
+Every rank builds and runs the same worker. Rank 0's `ModelRunner` plans each step from the scheduler's output
+and, with tensor parallelism, sends the plan to the other ranks; each rank's worker runs it: inputs written from
+the plan (`InputBuffers`, the one builder of attention metadata), then the forward, eagerly or by replaying the
+graph of the size the plan names, then the logits of the rows it asks for (gathered on rank 0). So the ranks meet
+in the same collectives in the same order, at start-up (cache sizing, warm-up, graph capture) as in every step.
+"""
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.decode_graphs import CudaGraph, DecodeGraphs, EagerReplay, capture_sizes
+from kvserve.engine.kv_sizing import StepLimits, build_kv_cache, log_kv_cache, paged_kv_layers, step_limits
+from kvserve.engine.model_loader import checkpoint_dtype, load_model, prepare_weights
+from kvserve.engine.models import DecoderForCausalLM
+from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.step_inputs import InputBuffers, StepInputs
+from kvserve.engine.step_plan import StepPlan
+from kvserve.kernels import AttentionShape, KernelBackend, select_backend
+from kvserve.kvcache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self, model: DecoderForCausalLM, kv_cache: KVCache, backend: KernelBackend, limits: StepLimits,
+        max_num_seqs: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.model, self.kv_cache, self.backend, self.limits, self.device = model, kv_cache, backend, limits, device
+        self.layer_caches = paged_kv_layers(kv_cache)
+        block_size = kv_cache.spec.block_size
+        # A padded decode batch has up to max_num_seqs tokens, maybe more than the token budget.
+        self.inputs = InputBuffers(
+            max_num_seqs, max(limits.max_num_batched_tokens, max_num_seqs), -(-limits.max_model_len // block_size),
+            block_size, kv_cache.padding_block, device, long_rope=model.model.rotary.long_rope,
+        )  # fmt: skip
+        self.decode_graphs: DecodeGraphs | None = None
+
+    @classmethod
+    def load(
+        cls, config: EngineConfig, model_dir: Path, device: torch.device, group: TensorParallelGroup | None = None
+    ) -> "Worker":
+        """This rank's worker, ready to step: its shard loaded, the KV cache sized (as the tightest rank's budget
+        allows), kernels warmed up and decode graphs captured where the config and the device call for them."""
+        model = load_model(model_dir, config.torch_dtype(device, checkpoint_dtype(model_dir)), device, group)
+        shape = AttentionShape(config.max_num_seqs, model.plan.num_heads, model.config.head_dim)
+        backend = select_backend(config.attention_backend, device, shape)
+        prepare_weights(model, backend)
+        limits = step_limits(config, model.config)
+        kv_cache = build_kv_cache(config, model, device, limits, backend, group)
+        log_kv_cache(model, kv_cache, device, model_dir)
+        worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device)
+        if device.type == "cuda":
+            logger.info("kernels compiled and warmed up in %.1f s", worker.warm_up())
+        if config.eager_graph_replay:
+            worker.capture_decode_graphs(capture_sizes(config.max_num_seqs), kind=EagerReplay)
+        elif device.type == "cuda" and not config.enforce_eager:
+            worker.capture_decode_graphs(capture_sizes(config.max_num_seqs))
+        return worker
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits [len(plan.logit_rows), vocab_size] (fp32) of the rows the plan names; None on ranks other than 0
+        with tensor parallelism (rank 0 gathers every rank's vocabulary rows)."""
+        inputs = self.inputs.prepare(plan)
+        hidden = self.decode_graphs.replay(plan.graph_size) if plan.graph_size else self.forward(inputs)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows), self.backend)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.layer_caches, inputs.metadata, self.backend)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, sizes: list[int], kind=CudaGraph) -> None:
+        """Capture pure-decode forwards at `sizes` (CUDA graphs; `kind` may stand in another replay)."""
+        self.decode_graphs = DecodeGraphs.capture(self.forward, self.inputs, sizes, self.limits.max_model_len, kind)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run a prompt chunk, then a decode beside a chunk, in the padding block alone, so every kernel
+        variant a step launches is compiled before the first request; returns the seconds it took."""
+        start_s = time.monotonic()
+        size, padding_row = self.kv_cache.spec.block_size, self.inputs.block_tables.padding_row
+        long_rope = self.inputs.long_rope is not None
+        chunk = StepPlan.in_padding_block([size], [size], padding_row, long_rope, logit_rows=(size - 1,))
+        decode_and_chunk = StepPlan.in_padding_block([1, size], [2, size], padding_row, long_rope, (0, size))
+        for plan in (chunk, decode_and_chunk):
+            self.execute(plan)
+            if self.device.type == "cuda":  # the host buffers are rewritten only once the device has read them
+                torch.cuda.synchronize(self.device)
+        return time.monotonic() - start_s
