@@ -20,11 +20,10 @@ from kvserve.engine.cpu_memory import keep_freed_memory_resident
 from kvserve.engine.engine_state import EngineState, StatsWindow, take_engine_state
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.models.moe import SparseMoeBlock
-from kvserve.engine.outputs import TokenLogprob
 from kvserve.engine.parallel.launch import start_ranks
 from kvserve.engine.prompt_scoring import PromptScoring
 from kvserve.engine.request import CoreRequest
-from kvserve.engine.sampler import LogitBias, PenaltyState, SampledToken, SamplingRow, sample
+from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
 from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
@@ -41,6 +40,7 @@ class _Sampling:
 
     params: SamplingParams
     row: SamplingRow  # its generator (seeded requests), penalty counts, logit bias and grammar
+    stop_token_ids: frozenset[int]  # its stop ids, and EOS unless it ignores it
 
 
 class EngineCore:
@@ -109,7 +109,8 @@ class EngineCore:
         if self._rotates_long(scheduled):
             _keep_out_of_prefix_cache(scheduled)
         self.scheduler.add(scheduled)
-        self._sampling[request.request_id] = _Sampling(params, row)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        self._sampling[request.request_id] = _Sampling(params, row, frozenset(stop_ids))
         if wants_prompt_logprobs:
             self._prompt_scoring.add(scheduled, params.prompt_logprobs)
 
@@ -145,19 +146,21 @@ class EngineCore:
         states, sampling, rows = self._sampling, [], []
         for item in scheduler_output.scheduled:
             if item.samples_next_token:
-                state = states[item.request.request_id]
-                sampling.append((item.request, state))
-                rows.append(self._sampling_row(item.request, state))
+                request = item.request
+                state = states[request.request_id]
+                sampling.append((request, state))
+                min_tokens = state.params.min_tokens
+                rows.append(state.row if not min_tokens else self._sampling_row(request, state))
         prompt_rows, prompt_targets = self._prompt_scoring.rows(scheduler_output)
         logits = self.runner.execute(scheduler_output, prompt_rows)
         if prompt_rows:
             self._prompt_scoring.record(logits[len(rows) :], prompt_targets)
         sampled = sample(logits[: len(rows)], rows, self._generator, self._token_masks)
-        self.scheduler.update(scheduler_output, [token.token_id for token in sampled])
-        outputs = []
-        for (request, state), token in zip(sampling, sampled, strict=True):
-            logprob = None if token.logprob is None else TokenLogprob(token.token_id, token.logprob, token.top_logprobs)
-            output = CoreOutput(request.request_id, token.token_id, logprob, self._finish_reason(request, state, token))
+        self.scheduler.update(scheduler_output, sampled.token_ids)
+        outputs, logprobs = [], sampled.logprobs
+        for index, ((request, state), token_id) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
+            logprob = logprobs.get(index) if logprobs else None
+            output = CoreOutput(request.request_id, token_id, logprob, self._finish_reason(request, state, token_id))
             if state.params.prompt_logprobs is not None:
                 output.prompt_logprobs = self._prompt_scoring.take_complete(request)
             if output.finish_reason is not None:
@@ -166,16 +169,16 @@ class EngineCore:
             outputs.append(output)
         return StepResult(outputs, scheduler_output)
 
-    def _finish_reason(self, request: Request, sampling: "_Sampling", token: SampledToken) -> FinishReason | None:
+    def _finish_reason(self, request: Request, sampling: "_Sampling", token_id: int) -> FinishReason | None:
         """Why the token ends the request, if it does: a stop token, max_tokens, or a grammar that rejects it."""
-        params, grammar, token_id = sampling.params, sampling.row.grammar, token.token_id
+        grammar = sampling.row.grammar
         if grammar is not None and not grammar.consume_token(token_id):
             # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
             logger.error("request %s: its grammar rejected sampled token %d", request.request_id, token_id)
             return FinishReason.ABORT
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in sampling.stop_token_ids:
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
+        if len(request.output_token_ids) >= sampling.params.max_tokens:
             return FinishReason.LENGTH
         return None
 

@@ -116,8 +116,14 @@ class MemoryProbe:
     def of(cls, num_tokens: int, max_len: int, block_size: int) -> "MemoryProbe":
         query_lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
         num_seqs, blocks_per_seq = len(query_lens), -(-max(query_lens) // block_size)
-        entries = np.array([(row, column, row * blocks_per_seq + column)
-                            for row in range(num_seqs) for column in range(blocks_per_seq)], dtype=np.int64).T
+        entries = np.array(
+            [
+                (row, column, row * blocks_per_seq + column)
+                for row in range(num_seqs)
+                for column in range(blocks_per_seq)
+            ],
+            dtype=np.int64,
+        ).T
         plan = StepPlan(
             input_ids=np.zeros(num_tokens, dtype=np.int64), query_lens=np.array(query_lens, dtype=np.int64),
             seq_lens=np.array(query_lens, dtype=np.int64), rows=np.arange(num_seqs, dtype=np.int64),

@@ -70,11 +70,12 @@ class SamplingRow:
         object.__setattr__(self, "plain", not special)
 
 
-@dataclass(slots=True)  # not frozen: one per request per step, and a frozen init is 4x slower
-class SampledToken:
-    token_id: int
-    logprob: float | None  # None unless the request asked for logprobs
-    top_logprobs: list[tuple[int, float]]  # empty unless the request asked for logprobs
+@dataclass(frozen=True)
+class SampledTokens:
+    """One token per row; the logprobs of the rows that asked for them (by row), from the raw logits."""
+
+    token_ids: list[int]
+    logprobs: dict[int, TokenLogprob]
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -93,10 +94,21 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first one on ties; NaN counts as largest), int64.
+
+    On a CPU through NumPy: torch's CPU argmax took 0.7-1.2 ms for 256 x 4096 fp32 logits on the 2-core AVX2
+    machine here, NumPy's 0.11 ms (the same indices: both take the first maximum, and NaN as the maximum).
+    """
+    if values.device.type != "cpu":
+        return values.argmax(dim=-1)
+    return torch.from_numpy(values.numpy().argmax(axis=-1))
+
+
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
     token_masks: TokenMasks | None = None,
-) -> list[SampledToken]:  # fmt: skip
+) -> SampledTokens:  # fmt: skip
     """Pick one token per row of logits [num_rows, vocab_size] (fp32); `generator` serves unseeded rows and
     `token_masks` applies the grammars of rows that have one."""
     device = logits.device
@@ -121,7 +133,7 @@ def sample(
         logits = _ban_tokens(logits, rows)
     if constrained:
         logits = token_masks.apply(logits, constrained, [rows[i].grammar for i in constrained])
-    token_ids = logits.argmax(dim=-1)
+    token_ids = argmax_rows(logits)
     if random_rows:
         index = to_device(random_rows, torch.long, device)
         token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows], generator)
@@ -181,7 +193,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], generator: tor
         if row.generator is not None:
             uniform[i].uniform_(generator=row.generator)
     noise = uniform.log_().neg_()
-    return (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
+    return argmax_rows(probs / noise.clamp_min(1e-20))
 
 
 def _filters_tokens(params: SamplingParams) -> bool:
@@ -234,10 +246,10 @@ def _read_back(
     logprob_rows: list[int],
     logprob_index: torch.Tensor | None,
     rows: list[SamplingRow],
-) -> list[SampledToken]:
+) -> SampledTokens:
     if raw_logprobs is None:
         (host_ids,) = to_host([token_ids])
-        return [SampledToken(token_id, None, []) for token_id in host_ids.tolist()]
+        return SampledTokens(host_ids.tolist(), {})
     sampled_ids = token_ids[logprob_index]
     sampled = raw_logprobs.gather(1, sampled_ids[:, None]).squeeze(1)
     max_top = max(rows[i].params.logprobs for i in logprob_rows)
@@ -245,14 +257,9 @@ def _read_back(
     host_ids, host_sampled, host_top_values, host_top_ids = (
         t.tolist() for t in to_host([token_ids, sampled, top_values, top_ids])
     )
-    logprobs = {row: j for j, row in enumerate(logprob_rows)}
-    result = []
-    for i, token_id in enumerate(host_ids):
-        j = logprobs.get(i)
-        if j is None:
-            result.append(SampledToken(token_id, None, []))
-            continue
+    logprobs = {}
+    for j, i in enumerate(logprob_rows):
         num_top = rows[i].params.logprobs
         top = list(zip(host_top_ids[j][:num_top], host_top_values[j][:num_top], strict=True))
-        result.append(SampledToken(token_id, host_sampled[j], top))
-    return result
+        logprobs[i] = TokenLogprob(host_ids[i], host_sampled[j], top)
+    return SampledTokens(host_ids, logprobs)

@@ -45,15 +45,14 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, ScheduledRequest] = {}
         preempted: list[Request] = []
-        decoding, prefilling = [], []
-        for request in self.running:
-            (decoding if request.num_uncomputed_tokens == 1 else prefilling).append(request)
-        block_size = self.block_size
-        for request in decoding:
-            # The common case, kept short (it runs for every decoding request every step): one token into the
-            # room left in its last block.
+        prefilling, block_size = [], self.block_size
+        for request in list(self.running):  # decodes first, oldest first; prefills after them
             computed = request.num_computed_tokens
-            if token_budget and computed < len(request.block_ids) * block_size:
+            if len(request.prompt_token_ids) + len(request.output_token_ids) - computed != 1:
+                prefilling.append(request)
+            elif token_budget and computed < len(request.block_ids) * block_size:
+                # The common case, kept short (every decoding request, every step): one token into the room left
+                # in its last block.
                 scheduled[request] = ScheduledRequest(request, 1, computed, True)
                 token_budget -= 1
             elif request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop

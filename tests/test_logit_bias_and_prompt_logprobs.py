@@ -24,7 +24,7 @@ def test_sampler_adds_each_rows_bias_to_its_logits_only():
     expected = logits.clone()
     for token_id, bias in biased:
         expected[1, token_id] += bias
-    tokens = [token.token_id for token in sample(logits.clone(), rows)]
+    tokens = sample(logits.clone(), rows).token_ids
     assert tokens == expected.argmax(-1).tolist()
     assert tokens[1] == 7
 

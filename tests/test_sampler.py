@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampler import PenaltyState, SamplingRow, sample
+from kvserve.engine.sampler import PenaltyState, SamplingRow, argmax_rows, sample
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.structured_output import bitmask_biases
 
@@ -39,17 +39,17 @@ def _draw(logits: torch.Tensor, params: SamplingParams, num_draws: int = NUM_DRA
     """`num_draws` independent samples from one row of logits, drawn as one batch sharing a seeded generator."""
     generator = torch.Generator().manual_seed(seed)
     batch = logits.expand(num_draws, -1).clone()
-    return [token.token_id for token in sample(batch, [_row(params, generator)] * num_draws)]
+    return sample(batch, [_row(params, generator)] * num_draws).token_ids
 
 
 def _greedy_choice(logits: list[float], params: SamplingParams, prompt=(), output=()) -> int:
-    return sample(torch.tensor([logits]), [_row(params, None, prompt, output, len(logits))])[0].token_id
+    return sample(torch.tensor([logits]), [_row(params, None, prompt, output, len(logits))]).token_ids[0]
 
 
 def test_greedy_picks_the_argmax_of_each_row():
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     tokens = sample(logits, [_row(SamplingParams(temperature=0.0))] * 5)
-    assert [token.token_id for token in tokens] == logits.argmax(dim=-1).tolist()
+    assert tokens.token_ids == logits.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 8])
@@ -124,7 +124,7 @@ def test_same_seed_gives_same_tokens_and_different_seeds_differ():
 
     def run(seed: int) -> list[int]:
         generator = torch.Generator().manual_seed(seed)
-        return [sample(logits, [_row(params, generator)])[0].token_id for _ in range(20)]
+        return [sample(logits, [_row(params, generator)]).token_ids[0] for _ in range(20)]
 
     assert run(5) == run(5)
     assert run(5) != run(6)
@@ -143,7 +143,7 @@ def test_seeded_row_samples_the_same_tokens_alone_and_in_any_batch():
     companion_logits = [0, 1, 3, 4, 5]
 
     alone_generator = torch.Generator().manual_seed(1234)
-    alone = [sample(logits[2:3], [_row(seeded, alone_generator)])[0].token_id for _ in range(15)]
+    alone = [sample(logits[2:3], [_row(seeded, alone_generator)]).token_ids[0] for _ in range(15)]
 
     batch_generator = torch.Generator().manual_seed(1234)
     in_batch = []
@@ -156,7 +156,7 @@ def test_seeded_row_samples_the_same_tokens_alone_and_in_any_batch():
         ]
         rows = [*others[:num_before], _row(seeded, batch_generator), *others[num_before:]]
         index = [*companion_logits[:num_before], 2, *companion_logits[num_before:num_companions]]
-        in_batch.append(sample(logits[index], rows)[num_before].token_id)
+        in_batch.append(sample(logits[index], rows).token_ids[num_before])
 
     assert in_batch == alone
     assert len(set(alone)) > 1  # the row really samples: it is not collapsed to greedy
@@ -262,7 +262,7 @@ def test_penalties_apply_to_random_rows_too():
     generator = torch.Generator().manual_seed(0)
     logits = torch.tensor([5.0, 2.0, -5.0]).expand(50, -1).clone()
     rows = [_row(params, generator, prompt=(0,), vocab_size=3)] * 50
-    assert {token.token_id for token in sample(logits, rows)} == {1}
+    assert set(sample(logits, rows).token_ids) == {1}
 
 
 def test_logprobs_are_the_log_softmax_of_the_raw_logits():
@@ -280,9 +280,12 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits():
             vocab_size=40,
         ),
     ]
-    tokens = sample(logits, rows)
+    sampled = sample(logits, rows)
 
-    for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+    assert sorted(sampled.logprobs) == list(range(len(rows)))
+    for i, row in enumerate(rows):
+        token = sampled.logprobs[i]
+        assert token.token_id == sampled.token_ids[i]
         assert token.logprob == pytest.approx(raw_logprobs[i, token.token_id].item(), abs=1e-6)
         num_top = row.params.logprobs
         assert len(token.top_logprobs) == num_top
@@ -295,8 +298,9 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits():
 
 def test_top_logprobs_list_the_n_most_likely_tokens_in_order():
     logits = torch.tensor([[0.0, 3.0, -1.0, 2.0, 1.0, 2.5]])
-    (token,) = sample(logits, [_row(SamplingParams(temperature=0.0, logprobs=4))])
-    assert token.token_id == 1
+    sampled = sample(logits, [_row(SamplingParams(temperature=0.0, logprobs=4))])
+    token = sampled.logprobs[0]
+    assert sampled.token_ids == [1] and token.token_id == 1
     assert [token_id for token_id, _ in token.top_logprobs] == [1, 5, 3, 4]
     expected = torch.log_softmax(logits[0], dim=-1)[[1, 5, 3, 4]].tolist()
     assert [value for _, value in token.top_logprobs] == pytest.approx(expected)
@@ -305,9 +309,9 @@ def test_top_logprobs_list_the_n_most_likely_tokens_in_order():
 def test_rows_without_logprobs_return_no_top_logprobs():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
     rows = [_row(SamplingParams(temperature=0.0)), _row(SamplingParams(temperature=0.0, logprobs=7))]
-    without, with_seven = sample(logits, rows)
-    assert without.top_logprobs == []
-    assert len(with_seven.top_logprobs) == 7
+    sampled = sample(logits, rows)
+    assert list(sampled.logprobs) == [1]  # the row without logprobs has none
+    assert len(sampled.logprobs[1].top_logprobs) == 7
 
 
 @pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 100])
@@ -319,3 +323,12 @@ def test_bitmask_biases_open_exactly_the_tokens_whose_bits_are_set(vocab_size):
         for token in range(vocab_size):
             is_set = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
             assert biases[row, token].item() == (0.0 if is_set else -math.inf)
+
+
+def test_argmax_rows_equals_torchs_argmax_on_ties_and_nan():
+    values = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    values[3, 10] = values[3, 20] = 50.0  # a tie: the first
+    values[5, 7] = values[5, 9] = float("nan")  # NaN counts as the largest
+    values[6, 999] = float("inf")
+    assert torch.equal(argmax_rows(values), values.argmax(dim=-1))
+    assert argmax_rows(values)[[3, 5, 6]].tolist() == [10, 7, 999]

@@ -3,6 +3,7 @@ step, and padded decode batches replayed through captured graphs."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from kvserve.engine.kv_sizing import MemoryProbe, StepLimits, paged_kv_layers
 from kvserve.engine.model_loader import load_model
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sampler import PenaltyState, SamplingRow, sample
-from kvserve.engine.step_inputs import BlockTables
+from kvserve.engine.step_inputs import BlockTables, host_positions_and_slots, positions_and_slots
 from kvserve.engine.step_plan import StepPlanner
 from kvserve.engine.worker import Worker
 from kvserve.kernels import TorchBackend
@@ -69,7 +70,7 @@ def test_a_step_reads_nothing_back_from_the_device_but_the_sampled_tokens(tiny_c
         output = scheduler.schedule()
         logits = runner.execute(output)
         sampling = [rows[item.request.request_id] for item in output.scheduled if item.samples_next_token]
-        tokens = [token.token_id for token in sample(logits, sampling)]
+        tokens = sample(logits, sampling).token_ids
         assert len(transfers) == num_steps + 1  # one transfer back, at the end of sampling
         scheduler.update(output, tokens)
         for item in output.scheduled:
@@ -184,3 +185,22 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_checkpoints):
     for got, want in zip(graphs.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert got.token_ids == want.token_ids
         assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("long_rope", [None, (40, 1000)], ids=["plain", "long-rope"])
+def test_positions_and_slots_on_the_host_equal_the_device_derivation(long_rope):
+    """On a CPU the step's positions and slots are derived in NumPy; elsewhere by torch ops on the device: one
+    answer for ragged chunks and decodes, with shuffled blocks (and LongRoPE's long rows)."""
+    rng = np.random.default_rng(0)
+    query_lens = np.array([1, 1, 7, 1, 30, 3], dtype=np.int64)
+    seq_lens = np.array([5, 17, 40, 64, 30, 50], dtype=np.int64)
+    block_tables = rng.permutation(6 * 4).reshape(6, 4).astype(np.int32)
+    sequence_lens = seq_lens + 2
+    positions, slots = host_positions_and_slots(query_lens, seq_lens, block_tables, 16, long_rope, sequence_lens)
+    query_start_loc = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    num_tokens = int(query_lens.sum())
+    want_positions, want_slots = positions_and_slots(
+        query_start_loc, torch.from_numpy(seq_lens).int(), torch.from_numpy(block_tables), 16,
+        torch.arange(num_tokens), torch.arange(6), long_rope, torch.from_numpy(sequence_lens),
+    )  # fmt: skip
+    assert positions.tolist() == want_positions.tolist() and slots.tolist() == want_slots.tolist()
