@@ -35,17 +35,17 @@ test: install
 
 # Constant mixed load against a `kvserve serve` process (10 minutes; SOAK_ARGS="--duration-s 60" for less).
 soak: install
-	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 bench: install
-	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python -m benchmarks.offline_throughput
 
 bench-serve: install
-	$(BIN)/python benchmarks/serve_bench.py
+	$(BIN)/python -m benchmarks.serve_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

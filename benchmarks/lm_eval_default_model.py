@@ -1,7 +1,7 @@
 """lm-evaluation-harness on the built-in default model through `kvserve serve`: the true next verse of a held-out
 KJV chapter among four (tests/data/lm_eval/kjv_next_verse.yaml, written by benchmarks/train_default_model.py).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_default_model.py [--limit N] [--json out.json]
+    .venv/bin/python -m benchmarks.lm_eval_default_model [--limit N] [--json out.json]
 
 Starts `kvserve serve` with no model on a loopback port, scores the task with lm-eval's `local-completions` model
 (token-id prompts, as published evals send them), and prints acc, acc_norm and acc_mutual_info with a 95% interval
@@ -12,15 +12,14 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.servers import free_port, stop, wait_healthy
+from benchmarks.processes import REPO
+from benchmarks.servers import free_port, kvserve_serve_command, serving
 from kvserve.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from tests.lm_eval_tasks import evaluate, local_completions
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TASK, TASK_FILE = "kvserve_kjv_next_verse", "kjv_next_verse.yaml"
 METRICS = ("acc", "acc_norm", "acc_mutual_info")
 CHANCE = 0.25
@@ -46,14 +45,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     port = free_port()
-    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", "--port", str(port)]
-    server = subprocess.Popen(command, cwd=REPO_ROOT)
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_healthy(base_url, server)
+    server = subprocess.Popen(kvserve_serve_command(None, port), cwd=REPO)
+    base_url = f"http://127.0.0.1:{port}"
+    with serving(server, base_url):
         scores = score(base_url, args.limit)
-    finally:
-        stop(server)
     count = scores["documents"]
     figures = {"task": TASK, "model": DEFAULT_MODEL_NAME, "documents": count, "chance": CHANCE}
     print(f"{TASK} on {DEFAULT_MODEL_NAME}: {count} documents, chance {CHANCE:.0%}")

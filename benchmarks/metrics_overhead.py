@@ -5,7 +5,7 @@ step and then everything the engine thread does for metrics: `StatsTracker.stepp
 and `ServerMetrics.record_step` (the Prometheus updates). Also times one /metrics exposition,
 which runs on the HTTP thread, not the engine's.
 
-    python benchmarks/metrics_overhead.py [--num-requests 64 256] [--max-tokens 64]
+    .venv/bin/python -m benchmarks.metrics_overhead [--num-requests 64 256] [--max-tokens 64]
 """
 
 import argparse
@@ -13,6 +13,7 @@ import random
 import statistics
 import time
 
+from benchmarks.harness import random_tokens
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.stats import StatsTracker
 from kvserve.server.metrics import ServerMetrics
@@ -25,16 +26,17 @@ def run(num_requests: int, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     now_s = time.monotonic()
     for _ in range(num_requests):
-        prompt = [rng.randrange(4, engine.vocab_size) for _ in range(rng.randint(32, 128))]
+        prompt = random_tokens(rng, engine.core.vocab_size, rng.randint(32, 128))
         request_id = engine.add_request(prompt, params)
         tracker.arrived(request_id, len(prompt), now_s)
     step_s, stats_s = [], []
     while engine.has_unfinished():
         start_s = time.perf_counter()
-        outputs = engine.step()
+        result = engine.core.step()
+        engine.process(result)
         end_s = time.perf_counter()
-        tracker.stepped(engine.scheduler.last_output, outputs, start_s, end_s)
-        metrics.record_step(tracker.collect(engine.scheduler))
+        tracker.stepped(result, start_s, end_s)
+        metrics.record_step(tracker.collect(engine.core.queue_stats()))
         step_s.append(end_s - start_s)
         stats_s.append(time.perf_counter() - end_s)
     start_s = time.perf_counter()

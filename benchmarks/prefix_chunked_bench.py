@@ -5,27 +5,25 @@ A. Shared prefix: 64 requests share a 1,024-token prefix, each with a distinct 3
 B. Mixed: 32 requests decode; after their 10th token, 4 prompts of 1,500 tokens arrive: p50/p99
    inter-token latency of the 32 decoding requests while those prompts are prefilled.
 
-    python benchmarks/prefix_chunked_bench.py
+    .venv/bin/python -m benchmarks.prefix_chunked_bench
 """
 
+import argparse
+import itertools
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import itertools
-
-from offline_throughput import VOCAB_SIZE, benchmark_model_dir
-
+from benchmarks.checkpoints import QWEN3_50M_TOKENIZER_VOCAB, qwen3_50m_dir
+from benchmarks.harness import random_tokens
 from kvserve.engine import LLM, SamplingParams
 
 KV_BYTES = 2 << 30
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, VOCAB_SIZE - 100) for _ in range(n)]
+    return random_tokens(rng, QWEN3_50M_TOKENIZER_VOCAB - 100, n)
 
 
 def shared_prefix_run(model_dir: Path, enable_prefix_caching: bool) -> dict:
@@ -36,14 +34,14 @@ def shared_prefix_run(model_dir: Path, enable_prefix_caching: bool) -> dict:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     start_s = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    requests = [engine.scheduler.get(request_id) for request_id in ids]
+    requests = [engine.core.scheduler.get(request_id) for request_id in ids]
     first_token_s: dict[str, float] = {}
     while engine.has_unfinished():
         engine.step()
         for request in requests:
             if request.output_token_ids:
                 first_token_s.setdefault(request.request_id, time.perf_counter() - start_s)
-    scheduler = engine.scheduler
+    scheduler = engine.core.scheduler
     return {
         "prompt_tokens": sum(len(p) for p in prompts),
         "computed_prompt_tokens": sum(len(p) for p in prompts) - scheduler.prefix_cache_hit_tokens,
@@ -59,7 +57,7 @@ def mixed_run(model_dir: Path, enable_chunked_prefill: bool, budget: int) -> dic
         max_num_batched_tokens=budget, enable_prefix_caching=False,
     ).engine  # fmt: skip
     decode_params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    decoders = [engine.scheduler.get(engine.add_request(tokens(rng, 32), decode_params)) for _ in range(32)]
+    decoders = [engine.core.scheduler.get(engine.add_request(tokens(rng, 32), decode_params)) for _ in range(32)]
     token_times: dict[str, list[float]] = {request.request_id: [] for request in decoders}
     long_added = False
     while engine.has_unfinished():
@@ -81,7 +79,8 @@ def mixed_run(model_dir: Path, enable_chunked_prefill: bool, budget: int) -> dic
 
 
 def main() -> None:
-    model_dir = benchmark_model_dir()
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options but --help
+    model_dir = qwen3_50m_dir()
     print(f"model {model_dir.name}")
     print("\nA. 64 requests, shared 1,024-token prefix + 32-token suffixes, all at once")
     off = shared_prefix_run(model_dir, enable_prefix_caching=False)

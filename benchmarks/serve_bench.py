@@ -5,8 +5,8 @@ Each server runs as its own process on a loopback port; the clients run here wit
 httpx. Reported per peer: request throughput, output tokens/s, TTFT and inter-token latency
 (p50/p90/p99). The kvserve HTTP / offline ratio has a target of >= 0.9.
 
-    python benchmarks/serve_bench.py                      # kvserve over HTTP + offline
-    python benchmarks/serve_bench.py --peers kvserve,offline,transformers-serve
+    .venv/bin/python -m benchmarks.serve_bench                      # kvserve over HTTP + offline
+    .venv/bin/python -m benchmarks.serve_bench --peers kvserve,offline,transformers-serve
 """
 
 import argparse
@@ -17,17 +17,14 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from offline_throughput import benchmark_model_dir
-from servers import free_port, stop, wait_healthy
-
+from benchmarks.checkpoints import qwen3_50m_dir
+from benchmarks.servers import SERVED_MODEL_NAME, free_port, kvserve_serve_command, serving
 from kvserve.engine import LLM, SamplingParams
 
 
@@ -101,9 +98,8 @@ async def run_clients(name, base_url, model, prompts, output_lens, concurrency, 
 
 
 def serve_kvserve(model_dir: Path, port: int, max_num_seqs: int) -> subprocess.Popen:
-    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port),
-               "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
-               "--kv-cache-memory-bytes", str(2 << 30)]  # fmt: skip
+    command = kvserve_serve_command(model_dir, port, "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs",
+                                    str(max_num_seqs), "--kv-cache-memory-bytes", str(2 << 30))  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -116,12 +112,9 @@ def serve_transformers(model_dir: Path, port: int) -> subprocess.Popen:
 def run_server_peer(name, start, model_name, prompts, output_lens, concurrency, extra) -> PeerResult:
     port = free_port()
     process = start(port)
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_healthy(base_url, process)
+    base_url = f"http://127.0.0.1:{port}"
+    with serving(process, base_url):
         return asyncio.run(run_clients(name, base_url, model_name, prompts, output_lens, concurrency, extra))
-    finally:
-        stop(process)
 
 
 def run_offline(model_dir: Path, prompts, output_lens, max_num_seqs: int) -> PeerResult:
@@ -152,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    model_dir = benchmark_model_dir()
+    model_dir = qwen3_50m_dir()
     prompts, output_lens = make_workload(args.num_requests, seed=0)
     print(f"model {model_dir.name}; {args.num_requests} requests, {args.concurrency} concurrent clients, "
           f"outputs 32-256 tokens ({sum(output_lens)} in all), greedy, streamed; {args.repeat} rounds")  # fmt: skip
@@ -163,8 +156,9 @@ def main() -> None:
         if "kvserve" in peers:
             start = lambda port: serve_kvserve(model_dir, port, args.concurrency)  # noqa: E731
             results["kvserve over HTTP"] = run_server_peer(
-                "kvserve over HTTP", start, "bench", prompts, output_lens, args.concurrency, {"ignore_eos": True}
-            )
+                "kvserve over HTTP", start, SERVED_MODEL_NAME, prompts, output_lens, args.concurrency,
+                {"ignore_eos": True},
+            )  # fmt: skip
         if "offline" in peers:
             results["kvserve offline"] = run_offline(model_dir, prompts, output_lens, args.concurrency)
         if "transformers-serve" in peers:

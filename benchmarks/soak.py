@@ -7,8 +7,8 @@ warm-up, and at the end (after the load, once idle), with RSS sampled during the
 load's second half (a leak keeps rising there; allocator caches have settled); then the server is stopped with
 SIGTERM.
 
-    python benchmarks/soak.py                         # 10 minutes, the built-in default model
-    python benchmarks/soak.py --duration-s 60 --model /path/to/checkpoint --json soak.json
+    .venv/bin/python -m benchmarks.soak                         # 10 minutes, the built-in default model
+    .venv/bin/python -m benchmarks.soak --duration-s 60 --model /path/to/checkpoint --json soak.json
 
 Exit status 1 if any answer was unexpected or a KV block stayed held.
 """
@@ -27,8 +27,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_bench import free_port, wait_healthy
+from benchmarks.servers import free_port, kvserve_serve_command, wait_healthy
 
 MODEL_NAME = "soak"
 KINDS = ("completion", "completion-stream", "chat", "chat-stream", "sampled-n2", "leave-mid-stream", "bad-request")
@@ -157,9 +156,16 @@ def wait_idle(base_url: str) -> None:
 def run(args: argparse.Namespace) -> SoakReport:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", *([args.model] if args.model else []),
-               "--port", str(port), "--served-model-name", MODEL_NAME, "--max-num-seqs", str(args.max_num_seqs),
-               "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]  # fmt: skip
+    command = kvserve_serve_command(
+        args.model,
+        port,
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(args.kv_cache_memory_bytes),
+    )
     report = SoakReport(duration_s=args.duration_s, concurrency=args.concurrency)
     with open(args.log, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

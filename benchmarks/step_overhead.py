@@ -1,50 +1,61 @@
-"""What a step costs outside the model's arithmetic, on the CPU (issue 16's figures).
+"""What a step costs outside the model's arithmetic, on the CPU.
 
-1. Ops dispatched in one decode step of a Qwen3-0.6B-shaped model (random weights, fp32), counted
-   by a TorchDispatchMode: in decoder layer 0, in the whole forward, and in the whole engine step;
-   and of those, the ones that compute (not views, reshapes or allocations): on a GPU, the launches.
-2. Host time per step outside the forward (scheduler, input preparation, sampler, output
-   processing) with 64 and 256 running decodes, on the built-in default model (a small model, so
-   the model's own time does not hide the rest): step wall time minus the model's forward and logits.
-3. Output handling per step as one request's output grows to 8k tokens, with logprobs and a stop
-   string (everything the output path does): host time outside the forward at 100, 1k, 4k and 8k
-   tokens, on a small model with a 16k context.
-4. The same request streamed through `kvserve serve` (the CLI, in its own process): the CPU time of
-   the server's HTTP thread (event loop: the server's side of each delta, SSE framing) per 1,000
-   tokens, window by window, read from /proc while the client streams. (The engine thread's time
-   grows with the context, as attention reads more of it; this thread's should not.)
+1. Ops dispatched in one decode step of a Qwen3-0.6B-shaped model (random weights, fp32), counted by a
+   TorchDispatchMode: in decoder layer 0, in the forward and in the core's whole step; and of those, the ones that
+   compute (not views, reshapes or allocations): on a GPU, the launches.
+2. Host time per step outside the model (the step's wall time less the forward and the logits) with 64 and 256
+   running decodes of the built-in default model, part by part (`benchmarks/step_probe.py`, a process of its own
+   per measurement): this checkout's engine core, whose outputs are detokenized elsewhere (the output processing
+   is timed apart), and, with `--before CHECKOUT`, a checkout before the engine core existed, whose step did
+   everything; the two in alternating rounds, medians over the rounds.
+3. The prefix cache's keys: SHA-256 per full block (and Python's `hash`, what it replaced), and the time a step
+   spends registering blocks with 256 running decodes.
+4. Output handling as one request's output grows to 8k tokens (logprobs and a stop string: every part of the output
+   path runs): the core's host time and the output processing per step at 100, 1k, 4k and 8k tokens.
+5. The same request streamed through `kvserve serve`: the CPU time of the server's HTTP thread (its event loop: the
+   output processing, the server's side of each delta, SSE framing) per 1,000 tokens, window by window.
 
-Only `LLM`, `engine.step()` and the model's `forward`/`compute_logits` are used, so the same script
-measures an older checkout (`--repo PATH` puts that checkout first on the import path).
-
-    python benchmarks/step_overhead.py
+    .venv/bin/python -m benchmarks.step_overhead [--before CHECKOUT] [--rounds 3]
 """
 
 import argparse
+import hashlib
 import itertools
+import json
+import os
 import statistics
+import subprocess
 import sys
-import tempfile
 import time
+import timeit
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import httpx
+
+from benchmarks.checkpoints import random_checkpoint
+from benchmarks.processes import REPO
+from benchmarks.servers import free_port, kvserve_serve_command, stop, wait_healthy
+
 QWEN3_0_6B = {
     "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
 }  # fmt: skip
+LONG_CONTEXT = {
+    "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 16384,
+}  # fmt: skip
+PROBE = Path(__file__).with_name("step_probe.py")
 
 
-def build(shape: dict, out_dir: Path, architecture: str = "Qwen3ForCausalLM") -> Path:
+def build(name: str, shape: dict, architecture: str) -> Path:
+    """A checkpoint of `shape` (its own vocabulary size: the tokenizer's 400 tokens are a prefix of it)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
-
-    tokenizer = train_tokenizer("\n".join(f"a line of text number {i} for the tokenizer" for i in range(300)), 400)
     config_class = Qwen3Config if architecture == "Qwen3ForCausalLM" else LlamaConfig
-    return write_random_checkpoint(config_class(architectures=[architecture], **shape), tokenizer, out_dir, seed=0)
+    corpus = lambda: "\n".join(f"a line of text number {i} for the tokenizer" for i in range(300))  # noqa: E731
+    return random_checkpoint(name, corpus, 400, lambda vocab: config_class(architectures=[architecture], **shape))
 
 
 class ModelTimer:
@@ -95,16 +106,15 @@ def decode_ops(model_dir: Path, backend: str) -> None:
 
     from kvserve.engine import LLM, SamplingParams
 
-    extra = {"attention_backend": backend} if backend != "auto" else {}
-    llm = LLM(str(model_dir), kv_cache_memory_bytes=256 << 20, max_num_seqs=8, **extra)
-    engine = llm.engine
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=256 << 20, max_num_seqs=8, attention_backend=backend)
+    engine, core = llm.engine, llm.engine.core
     for i in range(8):
         engine.add_request([10 + i] * 20, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     engine.step()  # the prefill
     engine.step()
-    layer = engine.model.model.layers[0]
+    layer = core.model.model.layers[0]
     layer_counts, forward_counts = Counter(), Counter()
-    layer_forward, model_forward = layer.forward, engine.model.forward
+    layer_forward, model_forward = layer.forward, core.model.forward
 
     def counted(counter, method):
         def run(*args, **kwargs):
@@ -115,110 +125,121 @@ def decode_ops(model_dir: Path, backend: str) -> None:
         return run
 
     layer.forward = counted(layer_counts, layer_forward)
-    engine.model.forward = counted(forward_counts, model_forward)
+    core.model.forward = counted(forward_counts, model_forward)
     with torch.inference_mode():
-        step_counts = count_ops(engine.step)
-    total = sum(step_counts.values())
-    print(f"  backend {engine.runner.backend.name if hasattr(engine, 'runner') else backend}: "
-          f"{sum(layer_counts.values())} ops in layer 0, {sum(forward_counts.values())} in the forward "
-          f"(28 layers), {total} in the whole step; computing: {computing(layer_counts)} in layer 0, "
-          f"{computing(forward_counts)} in the forward, {computing(step_counts)} in the step")  # fmt: skip
-    print(f"    layer 0: {dict(layer_counts.most_common())}")
+        step_counts = count_ops(core.step)
+    print(f"  backend {core.runner.worker.backend.name}: {sum(layer_counts.values())} ops in layer 0, "
+          f"{sum(forward_counts.values())} in the forward (28 layers), {sum(step_counts.values())} in the whole step; "
+          f"computing: {computing(layer_counts)} in layer 0, {computing(forward_counts)} in the forward, "
+          f"{computing(step_counts)} in the step")  # fmt: skip
 
 
-# Engine parts timed for the breakdown: (attribute path from the engine, method).
-ENGINE_PARTS = {"scheduling": ("scheduler", "schedule"), "inputs": ("runner.inputs", "prepare"),
-                "sampling rows": ("", "_sampling_row"), "recording the step": ("scheduler", "update"),
-                "detokenizing and stop checks": ("", "_process_token")}  # fmt: skip
+def probe(layout: str, num_running: int, checkout: Path | None, model_stub: bool) -> dict:
+    """One `step_probe.py` run in a process of its own (`checkout` on the path for an older layout)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
+    command = [sys.executable, "-P", str(PROBE), "--layout", layout, "--num-running", str(num_running)]
+    command += ["--model-stub"] if model_stub else []
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-class PhaseTimer:
-    """Seconds spent in each engine part of `ENGINE_PARTS` that this checkout has."""
-
-    def __init__(self, engine) -> None:
-        self.seconds: dict[str, float] = {}
-        for part, (path, method) in ENGINE_PARTS.items():
-            owner = engine
-            for name in filter(None, path.split(".")):
-                owner = getattr(owner, name, None)
-            if owner is not None and hasattr(owner, method):
-                self.seconds[part] = 0.0
-                setattr(owner, method, self._timed(part, getattr(owner, method)))
-
-    def _timed(self, part: str, method):
-        def timed(*args, **kwargs):
-            start_s = time.perf_counter()
-            result = method(*args, **kwargs)
-            self.seconds[part] += time.perf_counter() - start_s
-            return result
-
-        return timed
+def host_time_rounds(before: Path | None, rounds: int, model_stub: bool) -> None:
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for round_index in range(rounds):
+        for num_running in (64, 256):
+            layouts = [("after", "kvserve", None)] + ([("before", "old", before)] if before else [])
+            for label, layout, checkout in layouts if round_index % 2 == 0 else layouts[::-1]:
+                runs.setdefault((label, num_running), []).append(probe(layout, num_running, checkout, model_stub))
+    for (label, num_running), results in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0])):
+        host = statistics.median(result["host_ms"] for result in results)
+        parts = {
+            part: statistics.median(result["parts_ms"][part] for result in results) for part in results[0]["parts_ms"]
+        }
+        line = f"  {label:6} {num_running:3d} running: host {host:.2f} ms a step (rounds: "
+        line += ", ".join(f"{result['host_ms']:.2f}" for result in results) + ")"
+        if "output_processing_ms" in results[0]:
+            outputs = statistics.median(result["output_processing_ms"] for result in results)
+            line += f"; output processing, off the step's path: {outputs:.2f} ms"
+        print(line)
+        print("    mean ms a step: " + ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items()))
 
 
-def host_overhead(model_dir: Path, num_running: int, num_steps: int = 40) -> tuple[float, dict[str, float]]:
-    """Median host ms per step outside the forward, then (over as many more steps, timed part by part,
-    which adds a little) the mean ms per step of each engine part."""
+def prefix_key_cost() -> None:
+    """The cost of one full block's key, and of the keys a step registers with 256 running decodes."""
     from kvserve.engine import LLM, SamplingParams
+    from kvserve.engine.default_model import default_model_dir
+    from kvserve.kvcache import BlockKey, root_digest
 
-    llm = LLM(str(model_dir), max_num_seqs=num_running, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30)
-    engine = llm.engine
-    timer = ModelTimer(engine.model)
-    for i in range(num_running):
-        prompt = [5 + (i * 7 + j) % 900 for j in range(32)]
-        engine.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-    for _ in range(5):  # prefills, then steady decoding
+    tokens = tuple(range(1000, 1016))
+    parent = root_digest()
+    old_parent = hash(tokens)
+    number = 100_000
+    sha = timeit.timeit(lambda: BlockKey.of(parent, tokens), number=number) / number * 1e6
+    builtin = timeit.timeit(lambda: hash((old_parent, tokens)), number=number) / number * 1e6
+    raw = timeit.timeit(lambda: hashlib.sha256(parent + bytes(64)).digest(), number=number) / number * 1e6
+    print(f"  a 16-token block's key: SHA-256 chained (BlockKey.of) {sha:.2f} us (the digest alone {raw:.2f} us); "
+          f"Python's hash of (parent, tokens), what it replaced: {builtin:.2f} us")  # fmt: skip
+    llm = LLM(str(default_model_dir()), max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30)
+    engine, scheduler = llm.engine, llm.engine.core.scheduler
+    for i in range(256):
+        engine.add_request([5 + (i * 7 + j) % 900 for j in range(32)],
+                           SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))  # fmt: skip
+    for _ in range(5):
         engine.step()
-    host_ms = []
-    for _ in range(num_steps):
-        timer.seconds = 0.0
+    seconds, num_blocks = 0.0, 0
+    register = scheduler._register_full_blocks
+
+    def timed_register(request):
+        nonlocal seconds, num_blocks
+        before = request.num_registered_blocks
         start_s = time.perf_counter()
-        engine.step()
-        host_ms.append((time.perf_counter() - start_s - timer.seconds) * 1e3)
-    phases = PhaseTimer(engine)
+        register(request)
+        seconds += time.perf_counter() - start_s
+        num_blocks += request.num_registered_blocks - before
+
+    scheduler._register_full_blocks = timed_register
+    num_steps = 64
     for _ in range(num_steps):
         engine.step()
-    return statistics.median(host_ms), {part: s * 1e3 / num_steps for part, s in phases.seconds.items()}
+    print(
+        f"  256 running decodes: {num_blocks / num_steps:.1f} blocks registered a step, "
+        f"{seconds / num_steps * 1e3:.3f} ms a step ({seconds / max(num_blocks, 1) * 1e6:.2f} us a block, "
+        "its key and the allocator's tables)"
+    )
 
 
-def output_cost_by_length(model_dir: Path, checkpoints=(100, 1000, 4000, 8000)) -> dict[int, float]:
+def output_cost_by_length(model_dir: Path, checkpoints=(100, 1000, 4000, 8000)) -> dict[int, tuple[float, float]]:
+    """(core host us, output processing us) a step, the medians of the 40 steps around each checkpoint."""
     from kvserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), kv_cache_memory_bytes=1 << 30)
     engine = llm.engine
-    timer = ModelTimer(engine.model)
+    timer = ModelTimer(engine.core.model)
     params = SamplingParams(max_tokens=max(checkpoints) + 50, temperature=0.0, ignore_eos=True, logprobs=5,
                             stop=("never appears §",))  # fmt: skip
     engine.add_request([7, 8, 9], params)
-    costs, samples, num_steps = {}, [], 0
+    costs, core_us, outputs_us, num_steps = {}, [], [], 0
     while engine.has_unfinished():
         timer.seconds = 0.0
         start_s = time.perf_counter()
-        engine.step()
+        step = engine.core.step()
+        middle_s = time.perf_counter()
+        engine.process(step)
+        core_us.append((middle_s - start_s - timer.seconds) * 1e6)
+        outputs_us.append((time.perf_counter() - middle_s) * 1e6)
         num_steps += 1
-        samples.append((time.perf_counter() - start_s - timer.seconds) * 1e6)
-        if num_steps - 20 in checkpoints:  # the median of the 40 steps around each checkpoint
-            costs[num_steps - 20] = statistics.median(samples[-40:])
+        if num_steps - 20 in checkpoints:
+            costs[num_steps - 20] = (statistics.median(core_us[-40:]), statistics.median(outputs_us[-40:]))
     return costs
 
 
-def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, window: int = 1000) -> list[float]:
+def server_cpu_by_window(model_dir: Path, num_tokens: int = 8000, window: int = 1000) -> list[float]:
     """CPU seconds of the server's main (HTTP) thread per `window` tokens streamed, window by window."""
-    import json
-    import os
-    import subprocess
-
-    import httpx
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from servers import free_port, stop, wait_healthy
-
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(repo))
-    server = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvserve.server.cli", "serve", str(model_dir), "--port", str(port)],
-        env=env, cwd=repo,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = subprocess.Popen(kvserve_serve_command(model_dir, port), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
 
     def cpu_seconds() -> float:
         fields = Path(f"/proc/{server.pid}/task/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -243,33 +264,36 @@ def server_cpu_by_window(model_dir: Path, repo: Path, num_tokens: int = 8000, wi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure (default: this one)")
+    parser.add_argument("--before", type=Path, default=None, help="a checkout to compare with (before the namespace)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of part 2")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run")
     parser.add_argument("--backends", default="auto,torch", help="backends for the op count")
     args = parser.parse_args()
-    sys.path.insert(0, str(args.repo))
-    from kvserve.engine.default_model import default_model_dir
-
-    print(f"measuring {args.repo}")
-    with tempfile.TemporaryDirectory() as tmp:
-        qwen = build(QWEN3_0_6B, Path(tmp) / "qwen3-0.6b-shaped")
+    parts = set(args.parts.split(","))
+    if "1" in parts:
+        qwen = build("bench-step-overhead-qwen3-0.6b-shaped", QWEN3_0_6B, "Qwen3ForCausalLM")
         print("1. ops dispatched in one decode step, 8 running, Qwen3-0.6B shape:")
         for backend in args.backends.split(","):
             decode_ops(qwen, backend)
-        print("2. host time per step outside the forward (built-in default model), median of 40 steps:")
-        for num_running in (64, 256):
-            median_ms, parts = host_overhead(default_model_dir(), num_running)
-            breakdown = ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items())
-            print(f"  {num_running} running: {median_ms:.3f} ms (mean ms a step: {breakdown})")
-        long_model = build(
-            {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 16384},
-            Path(tmp) / "long-context", architecture="LlamaForCausalLM",
-        )  # fmt: skip
-        print("3. host time per step outside the forward of one request (logprobs 5, a stop string), by output length:")
-        for length, cost_us in output_cost_by_length(long_model).items():
-            print(f"  {length:5d} tokens: {cost_us:.0f} us")
-        windows = server_cpu_by_window(long_model, args.repo)
-        print("4. server HTTP-thread CPU per 1,000 streamed tokens (the same request over HTTP), window by window:")
+    if "2" in parts:
+        for model_stub in (False, True):
+            model = "no forward (a stub: host work on warm caches, as beside a GPU)" if model_stub else "the model runs"
+            print(f"2. host time per step outside the model (built-in default model), {model}, {args.rounds} "
+                  "alternating rounds, medians of 40 steps each:")  # fmt: skip
+            host_time_rounds(args.before, args.rounds, model_stub)
+    if "3" in parts:
+        print("3. prefix-cache keys:")
+        prefix_key_cost()
+    long_model = (
+        build("bench-step-overhead-long-context", LONG_CONTEXT, "LlamaForCausalLM") if {"4", "5"} & parts else None
+    )
+    if "4" in parts:
+        print("4. one request (logprobs 5, a stop string), host time per step by output length:")
+        for length, (core_us, outputs_us) in output_cost_by_length(long_model).items():
+            print(f"  {length:5d} tokens: core {core_us:.0f} us, output processing {outputs_us:.0f} us")
+    if "5" in parts:
+        windows = server_cpu_by_window(long_model)
+        print("5. server HTTP-thread CPU per 1,000 streamed tokens (the same request over HTTP), window by window:")
         print("  " + ", ".join(f"{seconds * 1e3:.0f} ms" for seconds in windows))
 
 

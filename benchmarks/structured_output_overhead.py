@@ -20,8 +20,8 @@ A cold run first (the schema's first 64 matchers, where a backend that builds it
 the steps) is reported on its own. Then runs alternate, constrained first in even rounds and last in odd ones; each
 figure is the median over the steps of a run, then the median over rounds (the machine is noisy, ±25%).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/structured_output_overhead.py                  # 9 rounds of 48 steps
-    PYTHONPATH=. .venv/bin/python benchmarks/structured_output_overhead.py --rounds 3 --steps 16
+    .venv/bin/python -m benchmarks.structured_output_overhead                  # 9 rounds of 48 steps
+    .venv/bin/python -m benchmarks.structured_output_overhead --rounds 3 --steps 16
 """
 
 import argparse
@@ -38,12 +38,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.checkpoints import random_checkpoint
+from benchmarks.harness import random_tokens
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.default_model import cache_root
 from kvserve.engine.sampling_params import GrammarSpec
-from kvserve.testing.tiny_checkpoint import train_tokenizer, write_random_checkpoint
 
 MODEL_NAME = "bench-structured-qwen3-4l-32k-v1"
 VOCAB_SIZE = 32000
@@ -65,16 +63,14 @@ SCHEMA = {"type": "array", "items": FILM, "minItems": NUM_REQUESTS}
 
 
 def model_dir() -> Path:
-    path = cache_root() / MODEL_NAME
-    if (path / "config.json").exists():
-        return path
-    tokenizer = train_tokenizer(stdlib_corpus(CORPUS_BYTES), VOCAB_SIZE)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"],
+    return random_checkpoint(
+        MODEL_NAME, lambda: stdlib_corpus(CORPUS_BYTES), VOCAB_SIZE,
+        lambda vocab_size: Qwen3Config(
+            vocab_size=vocab_size, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+            tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"],
+        ),
     )  # fmt: skip
-    return write_random_checkpoint(config, tokenizer, path, seed=0)
 
 
 def stdlib_corpus(num_bytes: int) -> str:
@@ -129,7 +125,7 @@ class TimedGrammar:
 def instrument(llm: LLM) -> None:
     """Time `TokenMasks.apply` and the matcher calls of `LLMEngine._process_token`."""
     engine = llm.engine
-    engine._token_masks.apply = timed(engine._token_masks.apply, "apply_s")
+    engine.core._token_masks.apply = timed(engine.core._token_masks.apply, "apply_s")
     process_token = engine._process_token
 
     def timed_process_token(state, token):
@@ -160,9 +156,10 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
     while engine.has_unfinished():
         TIMERS.apply_s = TIMERS.accept_s = 0.0
         start_s = time.perf_counter()
-        engine.step()
+        step = engine.core.step()
+        engine.process(step)
         step_s = time.perf_counter() - start_s
-        scheduled = engine.scheduler.last_output.scheduled
+        scheduled = step.scheduled.scheduled
         if len(scheduled) == len(prompts) and all(item.num_new_tokens == 1 for item in scheduled):
             result.step_ms.append(step_s * 1e3)
             result.apply_ms.append(TIMERS.apply_s * 1e3)
@@ -182,20 +179,20 @@ def main() -> None:
     instrument(llm)
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     compile_start_s = time.perf_counter()
-    llm.engine.grammars.compile(spec)  # cold: not cached yet
+    llm.engine.core.grammars.compile(spec)  # cold: not cached yet
     compile_s = time.perf_counter() - compile_start_s
     backends = [f"llguidance {version('llguidance')}"]
     versions = ", ".join([f"torch {torch.__version__} ({torch.get_num_threads()} threads)", *backends])
-    print(f"model and tokenizer ready in {compile_start_s - build_start_s:.1f} s; vocab {llm.engine.vocab_size}; "
+    print(f"model and tokenizer ready in {compile_start_s - build_start_s:.1f} s; vocab {llm.engine.core.vocab_size}; "
           f"{versions}; first schema compile {compile_s * 1e3:.0f} ms")  # fmt: skip
 
     rng = random.Random(0)
-    vocab_size = llm.engine.vocab_size
+    vocab_size = llm.engine.core.vocab_size
     # Without a grammar a random model may sample EOS; ignoring it keeps all 64 decoding (min_tokens is 0, so the
     # sampler's work is the same).
     free = SamplingParams(max_tokens=args.steps + 1, temperature=1.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.steps + 1, temperature=1.0, structured_output=spec)
-    prompts = [[rng.randrange(4, vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_REQUESTS)]
+    prompts = [random_tokens(rng, vocab_size, PROMPT_TOKENS) for _ in range(NUM_REQUESTS)]
     # The first 64 matchers of a fresh grammar: a backend that builds its automata lazily does it here, in the step.
     cold = run(llm, prompts, constrained)
     cold_ms = statistics.median(cold.step_ms)
@@ -205,7 +202,7 @@ def main() -> None:
     rounds: list[dict[str, Run]] = []
     for round_index in range(args.rounds):
         # Fresh prompts each round: no prefix cache hits, the same prefill work for both runs of the round.
-        prompts = [[rng.randrange(4, vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_REQUESTS)]
+        prompts = [random_tokens(rng, vocab_size, PROMPT_TOKENS) for _ in range(NUM_REQUESTS)]
         order = [("constrained", constrained), ("free", free)]
         if round_index % 2:
             order.reverse()
@@ -241,7 +238,7 @@ def report(rounds: list[dict[str, Run]], cold_ms: float, args: argparse.Namespac
     print(f"| apply + accept, share of the constrained step | {(apply_ms + accept_ms) / constrained_ms:.1%} |")
     print(f"| json_schema step, cold run: the fresh schema's first 64 requests (not in the rounds) | {cold_ms:.2f} |")
     print()
-    print(f"    PYTHONPATH=. {Path(sys.executable).name} benchmarks/structured_output_overhead.py "
+    print(f"    {Path(sys.executable).name} -m benchmarks.structured_output_overhead "
           f"--rounds {args.rounds} --steps {args.steps}")  # fmt: skip
 
 

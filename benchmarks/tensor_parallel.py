@@ -1,9 +1,9 @@
 """Tensor parallelism, N=1 against N=2: throughput, and what the ranks exchange (issue 14; a benchmark, not a
 timed test).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/tensor_parallel.py                    # 64 requests, 3 rounds
-    PYTHONPATH=. .venv/bin/python benchmarks/tensor_parallel.py --num-requests 24  # BENCHMARKS.md's CPU run
-    PYTHONPATH=. python3 benchmarks/tensor_parallel.py --device cuda --quick --rounds 1  # gpu_check.sh, 2 GPUs
+    .venv/bin/python -m benchmarks.tensor_parallel                    # 64 requests, 3 rounds
+    .venv/bin/python -m benchmarks.tensor_parallel --num-requests 24  # BENCHMARKS.md's CPU run
+    python3 -m benchmarks.tensor_parallel --device cuda --quick --rounds 1  # gpu_check.sh, 2 GPUs
 
 offline_throughput.py's model (Qwen3-shaped, hidden 512, 8 layers, 32k vocabulary, random weights) and its
 workload generator: every request submitted at once, greedy, each output to its length. The rounds alternate
@@ -27,8 +27,6 @@ what its communication costs. Printed: one line per run, then a markdown table w
 
 import argparse
 import json
-import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -40,13 +38,13 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
-from benchmarks.cpu_usage import children_cpu_s, machine_busy_s
-from benchmarks.offline_throughput import benchmark_model_dir, make_workload
+from benchmarks.checkpoints import qwen3_50m_dir
+from benchmarks.harness import random_workload
+from benchmarks.processes import REPO, OthersLoad, child_env, command_line
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.parallel.group import TensorParallelGroup
-from kvserve.engine.parallel.step_message import StepMessage
+from kvserve.engine.step_plan import StepPlan
 
-REPO = Path(__file__).resolve().parent.parent
 KV_CACHE_BYTES = 2 << 30  # as offline_throughput.py (each rank's budget)
 COLLECTIVES = ("all_reduce", "gather_on_first", "broadcast_from_first")
 
@@ -60,7 +58,7 @@ class Counter:
 
 @dataclass
 class StepShape:
-    """What one step message says about the step: the shape the communication follows from."""
+    """What one step plan says about the step: the shape the communication follows from."""
 
     num_tokens: int
     num_logit_rows: int
@@ -95,26 +93,26 @@ def timed(name: str, original, counters: dict[str, Counter]):
 
 
 def count_collectives(counters: dict[str, Counter], steps: list[StepShape]) -> None:
-    """Wrap the group's collectives and the step message's send in this process with counters."""
+    """Wrap the group's collectives and the step plan's send in this process with counters."""
     for name in COLLECTIVES:
         setattr(TensorParallelGroup, name, timed(name, getattr(TensorParallelGroup, name), counters))
-    send = StepMessage.send
+    send = StepPlan.send
 
-    def counted_send(message: StepMessage, group: TensorParallelGroup) -> None:
-        steps.append(StepShape(message.input_ids.numel(), message.logit_rows.numel(), message.nbytes))
-        send(message, group)
+    def counted_send(plan: StepPlan, group: TensorParallelGroup) -> None:
+        steps.append(StepShape(plan.num_tokens, len(plan.logit_rows), plan.nbytes))
+        send(plan, group)
 
-    StepMessage.send = counted_send
+    StepPlan.send = counted_send
 
 
 def computed_bytes(llm: LLM, steps: list[StepShape]) -> dict[str, int]:
     """Bytes the steps move by the model's shape: per layer two all-reduces of [tokens, hidden] in the model's
     dtype (attention's o_proj, the MLP's down_proj) plus the embedding's; [rows, vocab / N] fp32 logits from
-    each other rank; the step message."""
-    model, size = llm.engine.model, llm.engine.config.tensor_parallel_size
+    each other rank; the step plan."""
+    model, size = llm.engine.core.model, llm.engine.config.tensor_parallel_size
     if size == 1:
         return {name: 0 for name in COLLECTIVES}
-    row_bytes = model.config.hidden_size * llm.engine.dtype.itemsize
+    row_bytes = model.config.hidden_size * next(model.parameters()).dtype.itemsize
     all_reduces_per_step = 2 * model.config.num_layers + 1
     return {
         "all_reduce": sum(step.num_tokens * row_bytes * all_reduces_per_step for step in steps),
@@ -130,7 +128,7 @@ def run_once(args: argparse.Namespace, size: int) -> dict:
     prompts, output_lens = workload(args)
     cuda = args.device == "cuda"
     with LLM(
-        str(benchmark_model_dir()), tensor_parallel_size=size, device=args.device, max_num_seqs=len(prompts),
+        str(qwen3_50m_dir()), tensor_parallel_size=size, device=args.device, max_num_seqs=len(prompts),
         dtype="bfloat16" if cuda else "float32", kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=cuda,
     ) as llm:  # fmt: skip
         # A short warm-up (first-use allocations and weight packing), then the counters start from zero.
@@ -167,24 +165,22 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
     """offline_throughput.py's workload (its --quick one with --quick)."""
     prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 512), (16, 512))
     num_requests = 8 if args.quick else args.num_requests
-    vocab_size = Qwen3Config.from_pretrained(benchmark_model_dir()).vocab_size
-    return make_workload(num_requests, vocab_size, prompt_range, output_range, seed=0)
+    vocab_size = Qwen3Config.from_pretrained(qwen3_50m_dir()).vocab_size
+    return random_workload(num_requests, vocab_size, prompt_range, output_range, seed=0)
 
 
 def run_process(args: argparse.Namespace, size: int) -> dict:
     """`run_once` in a fresh process, with the cores other processes kept busy meanwhile."""
-    start_s, busy_s, own_s = time.perf_counter(), machine_busy_s(), children_cpu_s()
+    others = OthersLoad()
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "result.json"
-        command = [sys.executable, __file__, *sys.argv[1:], "--one", str(size), "--out", str(out_file)]
-        env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        command = [sys.executable, "-m", __spec__.name, *sys.argv[1:], "--one", str(size), "--out", str(out_file)]
+        done = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"N={size} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(out_file.read_text())
-    wall_s = time.perf_counter() - start_s
-    others_busy_s = machine_busy_s() - busy_s - (children_cpu_s() - own_s)
-    return {**result, "wall_s": wall_s, "others_cores": max(others_busy_s, 0.0) / wall_s}
+    wall_s, others_cores = others.measure()
+    return {**result, "wall_s": wall_s, "others_cores": others_cores}
 
 
 def per_step(run: dict, name: str, key: str) -> float:
@@ -210,10 +206,10 @@ def summarise(runs: dict[int, list[dict]]) -> None:
     row("all-reduce ms per step (rank 0)", lambda run: 1e3 * per_step(run, "all_reduce", "seconds"), comm_only=True)
     row("all-reduce share of step time", lambda run: share(run, ("all_reduce",)), "{:.1%}", comm_only=True)
     row("logits gather ms per step", lambda run: 1e3 * per_step(run, "gather_on_first", "seconds"), comm_only=True)
-    row("step message ms per step", lambda run: 1e3 * per_step(run, "broadcast_from_first", "seconds"),
+    row("step plan ms per step", lambda run: 1e3 * per_step(run, "broadcast_from_first", "seconds"),
         comm_only=True)  # fmt: skip
     row("all communication share", lambda run: share(run, COLLECTIVES), "{:.1%}", comm_only=True)
-    labels = {"all_reduce": "all-reduce", "gather_on_first": "logits gather", "broadcast_from_first": "step message"}
+    labels = {"all_reduce": "all-reduce", "gather_on_first": "logits gather", "broadcast_from_first": "step plan"}
     for name, label in labels.items():
         row(f"{label} kB/step, computed", lambda run, name=name: run["computed"][name] / run["steps"] / 1e3,
             "{:.1f}", comm_only=True)  # fmt: skip
@@ -255,13 +251,11 @@ def main() -> None:
         args.out.write_text(json.dumps(run_once(args, args.one)))
         return
 
-    benchmark_model_dir()  # built once here, not by two runs at the same time
+    qwen3_50m_dir()  # built once here, not by two runs at the same time
     prompts, output_lens = workload(args)
-    python = os.path.relpath(sys.executable)
-    python = Path(sys.executable).name if python.startswith("..") else python
-    print(f"command: PYTHONPATH=. {shlex.join([python, *sys.argv])}")
+    print(f"command: {command_line(__spec__.name)}")
     print(
-        f"model {benchmark_model_dir().name} on {args.device}; {len(prompts)} requests, {sum(output_lens)} output "
+        f"model {qwen3_50m_dir().name} on {args.device}; {len(prompts)} requests, {sum(output_lens)} output "
         f"tokens; {args.rounds} alternating rounds, every run a process of its own"
     )
     sizes = [int(size) for size in args.sizes.split(",")]
@@ -281,7 +275,7 @@ def main() -> None:
             if run["num_tokens"] != sum(output_lens):
                 print(f"  warning: {run['num_tokens']} tokens, expected {sum(output_lens)}")
             if size > 1 and run["messages"] != run["steps"]:
-                print(f"  warning: {run['messages']} step messages for {run['steps']} steps")
+                print(f"  warning: {run['messages']} step plans for {run['steps']} steps")
     summarise(runs)
 
 

@@ -3,7 +3,7 @@ the fortune cookies of Debian's `fortunes`, and the short conversations in bench
 then saves it, in bfloat16, in HF format to engine/assets/default_model/ with a model card.
 
     apt-get install bible-kjv fortunes fortunes-min
-    .venv/bin/python benchmarks/train_default_model.py            # 11 minutes on the 2-core machine
+    .venv/bin/python -m benchmarks.train_default_model            # 11 minutes on the 2-core machine
 
 Plain torch, one seed for everything (data order, initial weights, batches): the same machine and torch give the
 same weights; other CPUs or thread counts change float rounding, so the weights differ in their last bits and the
