@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.checkpoints import llama_45m_dir
 from benchmarks.offline_worker import KV_CACHE_GIB, engine_env
-from benchmarks.processes import REPO, OthersLoad, machine_busy_s, process_cpu_s
+from benchmarks.processes import OthersLoad, child_cwd, machine_busy_s, process_cpu_s
 from benchmarks.servers import SERVED_MODEL_NAME, free_port, kvserve_serve_command, serving
 
 CLIENT_TIMEOUT_S = 600
@@ -60,7 +60,7 @@ def workload_args(args: argparse.Namespace, model_dir: Path) -> list[str]:
 def run_kvserve_bench(url: str, shared: list[str], out_file: Path) -> dict:
     command = [sys.executable, "-P", "-m", "kvserve.server.cli", "bench", "--base-url", url, *shared,
                "--json", str(out_file)]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
+    done = subprocess.run(command, cwd=child_cwd(), capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"kvserve bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
     summary = json.loads(out_file.read_text())["summary"]
@@ -143,7 +143,7 @@ def main() -> None:
     rounds = []
     with (log_dir / "kvserve-server.log").open("ab") as log:
         env = {**engine_env("kvserve"), "OMP_NUM_THREADS": str(args.server_threads)}
-        server = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, env=env, cwd=child_cwd(), stdout=log, stderr=subprocess.STDOUT)
         with serving(server, url):
             run_kvserve_bench(url, shared, log_dir / "warm-up.json")  # the first requests after start-up are slower
             for index in range(args.rounds):

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from benchmarks.checkpoints import llama_45m_dir
 from benchmarks.harness import random_requests
-from benchmarks.processes import REPO
+from benchmarks.processes import child_cwd
 
 VARIANTS = ("all", "no-malloc-settings", "unpacked-weights", "torch-backend")
 
@@ -64,7 +64,7 @@ def main() -> None:
     for index in range(args.rounds):
         for variant in variants if index % 2 == 0 else variants[::-1]:
             command = [sys.executable, "-m", __spec__.name, "--worker", variant, str(model_dir), str(workload_file)]
-            output = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout
+            output = subprocess.run(command, capture_output=True, text=True, check=True, cwd=child_cwd()).stdout
             results[variant].append(float(output.strip().splitlines()[-1]))
         print(f"round {index + 1}: " + ", ".join(f"{v} {r[-1]:.0f}" for v, r in results.items()), flush=True)
     workload_file.unlink()

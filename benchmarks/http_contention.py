@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.processes import REPO, child_env, process_cpu_s
+from benchmarks.processes import child_cwd, child_env, process_cpu_s
 
 CONCURRENCY = 32
 
@@ -79,7 +79,8 @@ def _burn(share_of_one_core: float, seconds: float, burst_s: float = 0.002) -> N
 
 
 def run_offline_beside(model_dir: Path, requests, share_of_one_core: float) -> float:
-    competitor = subprocess.Popen([sys.executable, "-m", __spec__.name, "--burn", str(share_of_one_core)], cwd=REPO)
+    command = [sys.executable, "-m", __spec__.name, "--burn", str(share_of_one_core)]
+    competitor = subprocess.Popen(command, cwd=child_cwd())
     try:
         return run_offline(model_dir, requests)
     finally:
@@ -112,13 +113,13 @@ def run_served(model_dir: Path, requests_file: Path) -> dict:
     server = subprocess.Popen(
         kvserve_serve_command(model_dir, port, "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs",
                               str(CONCURRENCY), "--kv-cache-memory-bytes", str(2 << 30)),
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, cwd=child_cwd(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     with serving(server, url):
         before = _thread_cpu_s(server.pid)
         start_s = time.perf_counter()
         client = subprocess.Popen(
-            [sys.executable, "-m", __spec__.name, "--client", url, str(requests_file)], env=env, cwd=REPO,
+            [sys.executable, "-m", __spec__.name, "--client", url, str(requests_file)], env=env, cwd=child_cwd(),
             stdout=subprocess.PIPE,
         )  # fmt: skip
         client_cpu_s = 0.0

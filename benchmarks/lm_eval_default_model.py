@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks.processes import REPO
+from benchmarks.processes import child_cwd
 from benchmarks.servers import free_port, kvserve_serve_command, serving
 from kvserve.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from tests.lm_eval_tasks import evaluate, local_completions
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     port = free_port()
-    server = subprocess.Popen(kvserve_serve_command(None, port), cwd=REPO)
+    server = subprocess.Popen(kvserve_serve_command(None, port), cwd=child_cwd())
     base_url = f"http://127.0.0.1:{port}"
     with serving(server, base_url):
         scores = score(base_url, args.limit)

@@ -31,7 +31,7 @@ from benchmarks.checkpoints import random_checkpoint, synthetic_corpus
 from benchmarks.harness import random_workload
 from benchmarks.offline_runs import run_hf_continuous, run_hf_static, run_kvserve
 from benchmarks.offline_worker import run_offline as run_vllm_offline
-from benchmarks.processes import REPO, OthersLoad, child_env, command_line
+from benchmarks.processes import OthersLoad, child_cwd, child_env, command_line
 
 MODEL_NAME = "bench-qwen3-moe-8x768-v1"
 VOCAB_SIZE = 32000
@@ -90,7 +90,7 @@ def run_process(peer: str, model_dir: Path, workload_file: Path, vllm_python: Pa
         out_file = Path(tmp) / "result.json"
         command = [sys.executable, "-m", __spec__.name, "--worker", name, "--model-dir", str(model_dir),
                    "--workload", str(workload_file), "--batch-size", batch or "0", "--out", str(out_file)]  # fmt: skip
-        done = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True)
+        done = subprocess.run(command, env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{peer} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(out_file.read_text())

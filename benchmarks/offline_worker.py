@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.processes import REPO, TreeRSS, child_env
+from benchmarks.processes import TreeRSS, child_cwd, child_env
 
 KV_CACHE_GIB = 2
 MAX_MODEL_LEN = 1024  # vLLM's --max-model-len
@@ -74,7 +74,7 @@ def run_offline(engine: str, python: str, model_dir: Path, workload_file: Path, 
                    str(workload_file), "--max-num-seqs", str(max_num_seqs), "--out", str(out_file)]  # fmt: skip
         spawn_s = time.time()
         process = subprocess.Popen(
-            command, env=engine_env(engine), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            command, env=engine_env(engine), cwd=child_cwd(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         rss = TreeRSS(process.pid)
         _, stderr = process.communicate()

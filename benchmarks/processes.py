@@ -1,16 +1,29 @@
-"""Benchmarks' child processes: how they start (from the repository root, so that `python -m benchmarks.<name>`
-finds this package) and what they and the machine use, from /proc and getrusage: benchmarks report it beside their
-figures (these 2-core machines are shared). Standard library only: GPU machines and vLLM's venv import it too."""
+"""Benchmarks' child processes: how they start (`child_cwd`: where `python -m benchmarks.<name>` finds this package
+and nothing else of the repository) and what they and the machine use, from /proc and getrusage: benchmarks report
+it beside their figures (these 2-core machines are shared). Standard library only: GPU machines and vLLM's venv
+import it too."""
 
+import functools
 import os
 import resource
 import shlex
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def child_cwd() -> Path:
+    """The working directory of the benchmarks' children: a folder holding only a link to this package. From the
+    repository's root, its folders (`kernels`, ...) would shadow other distributions' packages of those names for
+    a `python -m` child: transformers imports Hugging Face's `kernels` where it is installed, as in vLLM's venv."""
+    folder = Path(tempfile.mkdtemp(prefix="kvserve-bench-"))
+    (folder / "benchmarks").symlink_to(REPO / "benchmarks", target_is_directory=True)
+    return folder
 
 
 def child_env(**overrides: str) -> dict[str, str]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.checkpoints import random_checkpoint
-from benchmarks.processes import REPO
+from benchmarks.processes import child_cwd
 from benchmarks.servers import free_port, kvserve_serve_command, stop, wait_healthy
 
 QWEN3_0_6B = {
@@ -238,7 +238,7 @@ def output_cost_by_length(model_dir: Path, checkpoints=(100, 1000, 4000, 8000)) 
 def server_cpu_by_window(model_dir: Path, num_tokens: int = 8000, window: int = 1000) -> list[float]:
     """CPU seconds of the server's main (HTTP) thread per `window` tokens streamed, window by window."""
     port = free_port()
-    server = subprocess.Popen(kvserve_serve_command(model_dir, port), cwd=REPO, stdout=subprocess.DEVNULL,
+    server = subprocess.Popen(kvserve_serve_command(model_dir, port), cwd=child_cwd(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
 
     def cpu_seconds() -> float:

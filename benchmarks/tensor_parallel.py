@@ -40,7 +40,7 @@ from transformers import Qwen3Config
 
 from benchmarks.checkpoints import qwen3_50m_dir
 from benchmarks.harness import random_workload
-from benchmarks.processes import REPO, OthersLoad, child_env, command_line
+from benchmarks.processes import OthersLoad, child_cwd, child_env, command_line
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.step_plan import StepPlan
@@ -175,7 +175,7 @@ def run_process(args: argparse.Namespace, size: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "result.json"
         command = [sys.executable, "-m", __spec__.name, *sys.argv[1:], "--one", str(size), "--out", str(out_file)]
-        done = subprocess.run(command, env=child_env(), cwd=REPO, capture_output=True, text=True)
+        done = subprocess.run(command, env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"N={size} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         result = json.loads(out_file.read_text())

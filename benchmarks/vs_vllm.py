@@ -28,7 +28,7 @@ from transformers import AutoConfig
 from benchmarks.checkpoints import llama_45m_dir
 from benchmarks.harness import random_requests
 from benchmarks.offline_worker import KV_CACHE_GIB, MAX_MODEL_LEN, engine_env, run_offline
-from benchmarks.processes import REPO, TreeRSS
+from benchmarks.processes import TreeRSS, child_cwd
 from benchmarks.servers import SERVED_MODEL_NAME, free_port, kvserve_serve_command, serving
 
 SERVE_CLIENT_ARGS = [
@@ -54,7 +54,7 @@ def run_served(engine: str, vllm_venv: Path, model_dir: Path, max_num_seqs: int,
     log = (log_dir / f"{engine}-server.log").open("ab")
     spawn_s = time.time()
     process = subprocess.Popen(
-        server_command(engine, vllm_venv, model_dir, port, max_num_seqs), env=engine_env(engine), cwd=REPO,
+        server_command(engine, vllm_venv, model_dir, port, max_num_seqs), env=engine_env(engine), cwd=child_cwd(),
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     rss = TreeRSS(process.pid)

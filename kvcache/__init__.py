@@ -1,4 +1,6 @@
-"""Paged KV cache: block allocation, per-request block tables, cache tensors and their sizing."""
+"""Paged KV cache: the block allocator (ref counts, SHA-256 prefix-cache keys), the cache tensors and their spec
+(bytes per token and block), usage figures and the console's block map. Block tables live with the step inputs
+(engine/step_inputs.py); the cache's size is decided in engine/kv_sizing.py."""
 
 from kvserve.kvcache.block_allocator import (
     BlockAllocator,
