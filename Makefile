@@ -9,7 +9,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run generate test soak lint bench bench-serve clean
+.PHONY: install run generate test soak lint bench bench-serve gpu-wheels gpu-dry-run clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,5 +47,16 @@ bench: install
 bench-serve: install
 	$(BIN)/python -m benchmarks.serve_bench
 
+# The wheels benchmarks/gpu_check.sh carries to the GPU machine (gpu_wheels/), and the check's dry run on this CPU with
+# only what the GPU image has plus those wheels (CI runs it after the tests; about 3 minutes).
+gpu-wheels: install
+	PYTHON=$(BIN)/python bash benchmarks/gpu_wheels.sh
+
+# The dry run takes the same wheels built for this venv's Python (the GPU image's is 3.12).
+gpu-dry-run: install
+	PYTHON=$(BIN)/python TARGET_PYTHON=$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+		bash benchmarks/gpu_wheels.sh gpu_check_out/wheels
+	PYTHON=$(BIN)/python GPU_WHEELS=gpu_check_out/wheels OUT=$${OUT:-gpu_check_out} bash benchmarks/gpu_check.sh --dry-run
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis gpu_wheels gpu_check_out

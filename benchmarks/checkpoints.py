@@ -79,6 +79,11 @@ SMOKE_SHAPE = {**QWEN3_0_6B_SHAPE, "vocab_size": 1000, "hidden_size": 64, "inter
 SMOKE_SHAPE.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
+def kv_bytes_per_token(shape: dict, element_size: int) -> int:
+    """The KV cache bytes one token of a model of `shape` takes (keys and values of every layer)."""
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * element_size
+
+
 def qwen3_shaped_dir(shape: dict) -> Path:
     """The GPU benchmarks' Qwen3 checkpoint of `shape` (QWEN3_0_6B_SHAPE, or SMOKE_SHAPE to check a script on a CPU):
     random weights and a small trained tokenizer (the model's vocabulary is larger, as real ones often are)."""

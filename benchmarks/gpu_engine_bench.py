@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.checkpoints import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, qwen3_shaped_dir
+from benchmarks.checkpoints import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, kv_bytes_per_token, qwen3_shaped_dir
 from benchmarks.harness import random_workload
 from benchmarks.offline_runs import run_hf_continuous
 from kvserve.engine import LLM, SamplingParams
 
 
-def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtype: str) -> tuple[float, int]:
+def run_kvserve(model_dir: Path, prompts, output_lens, dtype: str, kv_cache_dtype: str, kv_bytes: int):
     llm = LLM(
         str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(prompts),
-        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=kv_bytes,
     )  # fmt: skip
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     engine = llm.engine
@@ -70,12 +70,17 @@ def main() -> None:
     print(f"{model_dir} ready in {time.perf_counter() - start_s:.0f} s; device {device}, {dtype}")
     prompts, output_lens = random_workload(num_requests, shape["vocab_size"], lengths, lengths, seed=0)
     print(f"{num_requests} requests, prompt and output lengths uniform in {lengths}: {sum(output_lens)} tokens out")
+    # A byte budget, not a share of the GPU: the peers run one after another in this process, and a share would
+    # count what the one before left allocated. This one holds every request whole at once (16-token blocks).
+    kv_bytes = sum(len(p) + n + 16 for p, n in zip(prompts, output_lens, strict=True)) * kv_bytes_per_token(
+        shape, dtype.itemsize
+    )
     results = {}
     for peer in args.peers.split(","):
         if peer.startswith("kvserve"):
             kv_cache_dtype = "int8" if peer == "kvserve-int8" else "auto"
             dtype_name = str(dtype).removeprefix("torch.")
-            results[peer] = run_kvserve(model_dir, prompts, output_lens, dtype_name, kv_cache_dtype)
+            results[peer] = run_kvserve(model_dir, prompts, output_lens, dtype_name, kv_cache_dtype, kv_bytes)
         else:
             results[peer] = run_hf(model_dir, prompts, output_lens, dtype, device)
         print(f"{peer}: {results[peer][1] / results[peer][0]:.0f} tok/s", flush=True)

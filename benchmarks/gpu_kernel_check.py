@@ -1,9 +1,10 @@
 """The Triton kernels against their torch references at production shapes (the tests use small ones).
 
 Decode and extend attention over bf16 and int8 caches (block 16, 32 query / 8 KV heads, head_dim 64
-and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact), and the fused layer
-ops at Llama-3-8B sizes (hidden 4096, MLP 14336, head_dim 128). Each line prints the largest
-difference and the bound it is held to; the script exits 1 if any exceeds it.
+and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact: its divisions are
+IEEE-rounded, as torch's are), and the fused layer ops at Llama-3-8B sizes (hidden 4096, MLP 14336,
+head_dim 128). Each line prints the largest difference and the bound it is held to; the script exits
+1 if any exceeds it.
 
     python -m benchmarks.gpu_kernel_check           # CUDA
     python -m benchmarks.gpu_kernel_check --smoke   # small shapes in Triton's interpreter on a CPU
@@ -100,8 +101,9 @@ def check_layer_ops(checker, device, smoke) -> None:
     dtype = torch.bfloat16
     x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(2))
     weight = torch.rand(hidden, dtype=dtype, device=device) + 0.5
-    # In the interpreter bfloat16 casts truncate (see tests/test_triton_layer_ops.py): a looser bound there.
-    ulps = 1.0 if device.type == "cuda" else 3.0
+    # Approximate fp32 1/sqrt, division and exp on the GPU flip a rounding, and the product carries it: 2 ulps; the
+    # interpreter's bfloat16 casts truncate: 3 (the arithmetic is spelt out in tests/test_triton_layer_ops.py).
+    ulps = 2.0 if device.type == "cuda" else 3.0
     checker.ulps(
         "rms_norm", triton_layer_ops.rms_norm(x, weight, 1e-6), torch_layer_ops.rms_norm(x, weight, 1e-6), ulps
     )

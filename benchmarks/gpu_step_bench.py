@@ -15,29 +15,42 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, qwen3_shaped_dir
+from benchmarks.checkpoints import QWEN3_0_6B_SHAPE, SMOKE_SHAPE, kv_bytes_per_token, qwen3_shaped_dir
 from benchmarks.harness import median_ms
 from kvserve.engine import LLM, SamplingParams
 
+BLOCK_SIZE = 16
+WARMUP_STEPS = 3
 
-def decoding_engine(model_dir: Path, batch: int, prompt_len: int, eager: bool, device: torch.device) -> LLM:
-    settings = {"max_num_seqs": batch, "enforce_eager": eager}
+
+def decoding_engine(model_dir: Path, shape: dict, batch: int, prompt_len: int, num_steps: int, eager: bool,
+                    device: torch.device) -> LLM:  # fmt: skip
+    """An engine whose `batch` requests have all prefilled their prompts and decode from here on."""
+    total_tokens = prompt_len + num_steps + WARMUP_STEPS + 1
+    # A cache that holds every request to its last step, with a block of slack each (and the padding block the
+    # decode graphs write to): none waits or is preempted.
+    num_blocks = batch * (-(-total_tokens // BLOCK_SIZE) + 1) + 1
+    kv_bytes = num_blocks * BLOCK_SIZE * kv_bytes_per_token(shape, 2 if device.type == "cuda" else 4)
+    settings = {"max_num_seqs": batch, "enforce_eager": eager, "block_size": BLOCK_SIZE,
+                "kv_cache_memory_bytes": kv_bytes}  # fmt: skip
     if device.type == "cuda":
-        settings |= {"dtype": "bfloat16", "kv_cache_memory_bytes": 8 << 30}
+        settings["dtype"] = "bfloat16"
     llm = LLM(str(model_dir), **settings)
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=total_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request([100 + (i + j) % 5000 for j in range(prompt_len)], params)
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in llm.engine.core.scheduler.running) or (
-        llm.engine.core.scheduler.waiting
-    ):
+    # Each prefill step takes at least one whole prompt: more steps than requests means something is stuck.
+    for _ in range(batch + 1):
+        scheduler = llm.engine.core.scheduler
+        if not scheduler.waiting and all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in scheduler.running):
+            return llm
         llm.engine.step()
-    return llm
+    raise RuntimeError(f"{batch} prompts of {prompt_len} tokens were not prefilled in {batch + 1} steps")
 
 
 def step_ms(llm: LLM, num_steps: int) -> float:
     # A step ends with the sampled tokens on the host: the device is done when it returns.
-    return median_ms(llm.engine.step, repeats=num_steps, warmup=3)
+    return median_ms(llm.engine.step, repeats=num_steps, warmup=WARMUP_STEPS)
 
 
 def kernels_per_step(llm: LLM) -> int:
@@ -61,7 +74,7 @@ def main() -> None:
     for batch in batches:
         times = {}
         for eager in (False, True):
-            llm = decoding_engine(model_dir, batch, prompt_len, eager, device)
+            llm = decoding_engine(model_dir, shape, batch, prompt_len, num_steps, eager, device)
             times[eager] = step_ms(llm, num_steps)
             if batch == batches[-1] and eager and device.type == "cuda":
                 num_layers = llm.engine.core.model.config.num_layers

@@ -9,14 +9,19 @@ in any batch. Requests without a seed share the engine's generator (seeded from 
 `seed`), drawn for all of them at once: their tokens depend on what else is in the batch.
 """
 
-from dataclasses import dataclass, field
+from __future__ import annotations
 
-import llguidance
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvserve.engine.outputs import TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.structured_output import TokenMasks
+
+if TYPE_CHECKING:
+    import llguidance  # only constrained requests need it (structured_output.py imports it then)
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,7 @@ class PenaltyState:
     output_counts: torch.Tensor  # [vocab_size] float32
 
     @classmethod
-    def of(cls, prompt_token_ids: list[int], vocab_size: int, device: torch.device) -> "PenaltyState":
+    def of(cls, prompt_token_ids: list[int], vocab_size: int, device: torch.device) -> PenaltyState:
         prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         prompt_mask[to_device(prompt_token_ids, torch.long, device)] = True
         return cls(prompt_mask, torch.zeros(vocab_size, device=device))
@@ -45,7 +50,7 @@ class LogitBias:
     biases: torch.Tensor  # [num_biased] float32
 
     @classmethod
-    def of(cls, pairs: tuple[tuple[int, float], ...], device: torch.device) -> "LogitBias":
+    def of(cls, pairs: tuple[tuple[int, float], ...], device: torch.device) -> LogitBias:
         token_ids, biases = zip(*pairs, strict=True)
         return cls(to_device(token_ids, torch.long, device), to_device(biases, torch.float32, device))
 

@@ -10,24 +10,43 @@ matcher follows its output tokens, so preemption (which keeps the tokens and rec
 it as it is.
 """
 
+from __future__ import annotations
+
+import functools
+import importlib
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.sampling_params import GrammarSpec
+
+if TYPE_CHECKING:
+    import llguidance
 
 MAX_CACHED_GRAMMARS = 512
 # One space after "," and ":" and none elsewhere: free whitespace lets a model pad forever.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
+
+
+@functools.cache
+def _llguidance() -> ModuleType:
+    """llguidance, imported on the first constrained request: the engine runs without it (the GPU machine's image
+    has none), and only a request that asks for structured outputs then needs it."""
+    try:
+        for module in ("llguidance.hf", "llguidance.torch", "llguidance.gbnf_to_lark"):
+            importlib.import_module(module)
+    except ImportError:
+        raise InvalidRequestError(
+            "structured_output", "structured outputs need the llguidance package, which this server does not have"
+        ) from None
+    return importlib.import_module("llguidance")
 
 
 class GrammarCompiler:
@@ -51,6 +70,7 @@ class GrammarCompiler:
             if matcher is not None:
                 self._cache.move_to_end(spec)
                 return matcher
+            llguidance = _llguidance()
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.mask_vocab_size, eos_token=self._stop_token_ids
@@ -72,6 +92,7 @@ class GrammarCompiler:
 
 
 def _grammar(spec: GrammarSpec) -> str:
+    llguidance = _llguidance()
     try:
         match spec.kind:
             case "json_object":
@@ -94,7 +115,7 @@ def _grammar(spec: GrammarSpec) -> str:
 
 def _lark(grammar: str) -> str:
     try:
-        return any_to_lark(grammar)
+        return _llguidance().gbnf_to_lark.any_to_lark(grammar)
     except Exception as error:  # the GBNF converter raises a bare Exception for a rule it cannot find
         raise ValueError(str(error)) from None
 
@@ -121,12 +142,17 @@ class TokenMasks:
 
     def __init__(self, max_num_rows: int, mask_vocab_size: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size  # of the logits
-        self._bitmask = llguidance.torch.allocate_token_bitmask(max_num_rows, mask_vocab_size)
+        self._bitmask_rows_and_vocab = (max_num_rows, mask_vocab_size)
+        self._bitmask: torch.Tensor | None = None  # made with the first constrained step: only it needs llguidance
         self._byte_biases = BYTE_BIASES.to(device)
-        self._executor = llguidance.LLExecutor()
+        self._executor: llguidance.LLExecutor | None = None
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """The logits with every token of row `rows[i]` that `matchers[i]` does not allow next at -inf."""
+        llguidance = _llguidance()
+        if self._executor is None:
+            self._bitmask = llguidance.torch.allocate_token_bitmask(*self._bitmask_rows_and_vocab)
+            self._executor = llguidance.LLExecutor()
         llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, rows, strict=True)),
                                                      self._bitmask)  # fmt: skip
         index = torch.tensor(rows, dtype=torch.long)

@@ -5,7 +5,8 @@ per (sequence, KV head, segment), the softmax-weighted values of that segment an
 log-sum-exp; the query heads that share a KV head are packed into the rows of one program, so each
 key and value is read from memory once per group. The second merges a sequence's segments by their
 log-sum-exp. Splitting gives a small batch enough programs to keep the GPU busy; the partial buffers
-are allocated once (`DecodeWorkspace`), so launches need no allocation.
+are allocated once (`DecodeWorkspace`), so launches need no allocation. A large batch needs no split:
+with one segment the first kernel writes the output itself and the merge is not launched.
 
 With a sliding window W the query (position seq_len - 1) sees positions seq_len - W ... seq_len - 1:
 the segments split that range only, so no position before it is read and a segment's work scales with
@@ -60,6 +61,10 @@ def _decode_segment_kernel(
     stride_po_segment,
     stride_pl_seq,
     stride_pl_head,
+    out_ptr,
+    stride_o_token,
+    stride_o_head,
+    stride_o_dim,
     GROUP_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -71,6 +76,7 @@ def _decode_segment_kernel(
     QUANTIZED: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     LOGIT_SOFTCAP: tl.constexpr,
+    SINGLE_SEGMENT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,6 +130,10 @@ def _decode_segment_kernel(
     # turns it into zeros here and log-sum-exp -inf, a weight of 0 in the merge.
     row_sum = tl.maximum(row_sum, 1.0)
     out = acc / row_sum[:, None]
+    if SINGLE_SEGMENT:  # the whole context: this is the output, and there is nothing to merge
+        out_ptrs = out_ptr + seq * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        return
     lse = row_max + tl.log(row_sum)
     out_ptrs = (
         partial_out_ptr
@@ -258,6 +268,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         *partial_out.stride()[:3],
         *partial_lse.stride()[:2],
+        out,
+        *out.stride(),
         GROUP_SIZE=group_size,
         GROUP_PAD=padded(group_size),
         HEAD_DIM=head_dim,
@@ -267,8 +279,11 @@ def paged_decode_attention(
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
         QUANTIZED=cache.quantized,
+        SINGLE_SEGMENT=num_segments == 1,
         **options,
     )
+    if num_segments == 1:
+        return
     _merge_segments_kernel[(num_seqs, num_heads)](
         partial_out,
         partial_lse,

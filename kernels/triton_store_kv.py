@@ -34,8 +34,10 @@ def _store_heads(
     dst = dst_ptr + heads[:, None] * stride_dst_head + dims[None, :] * stride_dst_dim
     if QUANTIZED:
         x = x.to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=1) / INT8_LIMIT
-        scaled = x / tl.where(scale > 0, scale, 1.0)[:, None]  # an all-zero vector stays zeros, scale 0
+        # IEEE-rounded divisions (div_rn), as torch's: Triton compiles `/` on fp32 to an approximate division
+        # (div.full.f32, within 2 ulps), which moves a quotient near .5 to the other code.
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), INT8_LIMIT * 1.0)
+        scaled = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])  # an all-zero vector: zeros, scale 0
         rounded = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled))  # halves away from zero
         tl.store(dst, tl.minimum(tl.maximum(rounded, -INT8_LIMIT), INT8_LIMIT).to(tl.int8), mask=mask)
         tl.store(scale_dst_ptr + heads * stride_scale_head, scale, mask=head_mask)

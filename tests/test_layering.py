@@ -15,11 +15,16 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_ONLY_PACKAGES = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client", "openai")
+# Not on the GPU machine's image either: only a request for structured outputs needs it.
+GRAMMAR_PACKAGES = ("llguidance",)
 # The repository's top-level folders that are kvserve packages once installed.
 PACKAGE_FOLDERS = ("server", "engine", "scheduler", "kvcache", "kernels", "testing")
 ENGINE_MODULES = (
-    "kvserve.engine, kvserve.engine.llm, kvserve.kernels, kvserve.kernels.triton_backend, kvserve.scheduler, "
-    "kvserve.kvcache"
+    "kvserve.engine, kvserve.engine.llm, kvserve.engine.async_engine, kvserve.engine.core, "
+    "kvserve.engine.input_processor, kvserve.engine.output_processor, kvserve.engine.worker, kvserve.engine.step_plan, "
+    "kvserve.engine.parallel.rank_process, kvserve.kernels, kvserve.kernels.triton_backend, "
+    "kvserve.kernels.cpu_backend, kvserve.scheduler, kvserve.kvcache, kvserve.testing.fault_injection, "
+    "kvserve.testing.tiny_checkpoint"
 )
 
 
@@ -27,14 +32,40 @@ def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-def import_without_server_packages(modules: str) -> subprocess.CompletedProcess:
+def without_packages(packages: tuple[str, ...], code: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     # A None entry in sys.modules makes importing that package raise ImportError.
-    code = f"import sys\nfor name in {SERVER_ONLY_PACKAGES!r}:\n    sys.modules[name] = None\nimport {modules}\n"
-    return run_python(code, REPO)
+    return run_python(f"import sys\nfor name in {packages!r}:\n    sys.modules[name] = None\n{code}", cwd)
+
+
+def import_without_server_packages(modules: str) -> subprocess.CompletedProcess:
+    return without_packages(SERVER_ONLY_PACKAGES + GRAMMAR_PACKAGES, f"import {modules}\n")
 
 
 def test_engine_and_kernels_import_without_server_packages():
     result = import_without_server_packages(ENGINE_MODULES)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_engine_generates_without_server_or_grammar_packages(tiny_checkpoints, tmp_path):
+    """As on the GPU machine's image: greedy generation works, and a request for structured outputs is refused
+    with an error naming its field and the missing package, not an ImportError from the engine."""
+    code = (
+        "from kvserve.engine import LLM, SamplingParams\n"
+        "from kvserve.engine.errors import InvalidRequestError\n"
+        "from kvserve.engine.sampling_params import GrammarSpec\n"
+        f"llm = LLM({str(tiny_checkpoints['qwen3'])!r}, kv_cache_memory_bytes=1 << 22)\n"
+        "(output,) = llm.generate(['Once upon a time'], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "assert len(output.token_ids) == 4\n"
+        "try:\n"
+        "    llm.generate(['x'], SamplingParams(structured_output=GrammarSpec('regex', '[a-z]+')))\n"
+        "except InvalidRequestError as error:\n"
+        "    assert error.field == 'structured_output' and 'llguidance' in error.message, error\n"
+        "else:\n"
+        "    raise AssertionError('a constrained request ran without llguidance')\n"
+        f"assert not set({SERVER_ONLY_PACKAGES + GRAMMAR_PACKAGES!r}) & {{m.split('.')[0] for m in sys.modules\n"
+        "                                                   if sys.modules[m] is not None}\n"
+    )
+    result = without_packages(SERVER_ONLY_PACKAGES + GRAMMAR_PACKAGES, code, tmp_path)
     assert result.returncode == 0, result.stderr
 
 

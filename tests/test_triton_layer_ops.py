@@ -16,11 +16,13 @@ def _random(*shape, dtype, seed, scale=1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEVICE)
 
 
-# Units in the last place allowed for 16-bit results. Triton's interpreter truncates float32 to
-# bfloat16 where a GPU (and torch) rounds to nearest, and a norm rounds three times (the sum, the
-# normalised value, the product), so in the interpreter bfloat16 results may sit up to three units
-# lower; on a GPU one unit is the bound.
-ULPS = {torch.float16: 1, torch.bfloat16: 1 if DEVICE.type == "cuda" else 3}
+# Units in the last place allowed for 16-bit results (relative to the expected value). Both sides round
+# the normalised value (or the activation) to 16 bits and then the product by the weight (or `up`), but
+# on a GPU Triton computes 1/sqrt, division and exp with approximate fp32 instructions (within 2 fp32
+# ulps, where torch rounds correctly): a value within that of a 16-bit rounding boundary rounds the other
+# way, 1 ulp off, and the product carries that ulp into its own rounding: at most 2. Triton's interpreter
+# truncates float32 to bfloat16 where torch rounds to nearest, once per rounding: 3.
+ULPS = {torch.float16: 2 if DEVICE.type == "cuda" else 1, torch.bfloat16: 2 if DEVICE.type == "cuda" else 3}
 
 
 def _check(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -21,7 +21,13 @@ from kvserve.kernels.paged_kv import INT8_MAX
 from kvserve.kernels.triton_common import padded
 from kvserve.kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
 from kvserve.kernels.triton_extend_attention import _extend_kernel
-from kvserve.kernels.triton_layer_ops import SILU_BLOCK, _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel
+from kvserve.kernels.triton_layer_ops import (
+    ROTARY_HEADS_TILE,
+    SILU_BLOCK,
+    _rms_norm_kernel,
+    _rotary_kernel,
+    _silu_and_mul_kernel,
+)
 from kvserve.kernels.triton_moe import (
     BLOCK_K,
     BLOCK_N,
@@ -89,7 +95,10 @@ def attention_configs(
         "DOT_FP32": data_type == "fp32", "DOT_PRECISION": "ieee" if data_type == "fp32" else "tf32",
         "QUANTIZED": int8_cache, **options,
     }  # fmt: skip
-    yield _decode_segment_kernel, {"GROUP_SIZE": group, "GROUP_PAD": padded(group), "BLOCK_N": 64, **common}
+    for single_segment in (False, True):  # split (then merged), or the whole context writing the output itself
+        yield _decode_segment_kernel, {
+            "GROUP_SIZE": group, "GROUP_PAD": padded(group), "BLOCK_N": 64, "SINGLE_SEGMENT": single_segment, **common
+        }  # fmt: skip
     yield _extend_kernel, {"GROUP_SIZE": group, "BLOCK_M": 64, "BLOCK_N": 64, **common}
 
 
@@ -111,7 +120,10 @@ def kernel_configs(
                 "SIZE": size, "SIZE_PAD": triton.next_power_of_2(size), "ADD_RESIDUAL": add_residual
             }  # fmt: skip
     yield _silu_and_mul_kernel, {"BLOCK": SILU_BLOCK}
-    yield _rotary_kernel, {"HALF": head_dim // 2, "HALF_PAD": triton.next_power_of_2(head_dim // 2)}
+    yield _rotary_kernel, {
+        "HALF": head_dim // 2, "HALF_PAD": triton.next_power_of_2(head_dim // 2),
+        "HEADS_TILE": min(ROTARY_HEADS_TILE, triton.next_power_of_2(num_heads)),
+    }  # fmt: skip
 
 
 def moe_configs(data_type: str, top_k: int = 2):
