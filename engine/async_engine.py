@@ -34,6 +34,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.request import ChatPrompt, CoreRequest, GenerationRequest, ProcessedRequest
+from kvserve.engine.startup import StartupProgress
 from kvserve.engine.stats import StatsTracker, StepStats
 from kvserve.engine.step_result import StepResult
 from kvserve.scheduler import FinishReason
@@ -175,14 +176,17 @@ class AsyncLLMEngine:
 
     def __init__(
         self,
-        make_engine: Callable[[], LLMEngine],
+        make_engine: Callable[[StartupProgress], LLMEngine],
         max_queued_requests: int,
         stall_timeout_s: float = 60.0,
         on_stats: Callable[[StepStats], None] | None = None,
         max_consecutive_step_failures: int = 3,
         unhealthy_after_failure_s: float = 30.0,
+        wait_ready: bool = True,
     ) -> None:
-        """Builds the engine with `make_engine` on the engine thread and returns once it is ready.
+        """Builds the engine with `make_engine(progress)` on the engine thread and returns once it is ready (raising
+        what the build raised), or at once if not `wait_ready`: a server then answers while it starts (`starting`,
+        `startup_error`), and requests must wait for `ready`.
 
         All torch work (loading, KV allocation, steps) stays on that one thread: measured on the CPU,
         steps ran ~1.6x slower when the model was built on another thread than the one stepping it.
@@ -210,14 +214,24 @@ class AsyncLLMEngine:
         self._num_failed_steps_in_a_row = 0
         self._last_failure_s = 0.0
         self._refusal: str | None = None  # why new requests are refused; None while accepting
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
+        self.progress = StartupProgress()
+        self._ready = threading.Event()  # set once the build ended, built or not
+        self.startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="kvserve-engine", daemon=True)
         self._thread.start()
-        self._ready.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
-        self.inputs, self.outputs = self.engine.inputs, self.engine.outputs
+        if wait_ready:
+            self._ready.wait()
+            if self.startup_error is not None:
+                raise self.startup_error
+
+    @property
+    def ready(self) -> bool:
+        """Built and stepping (a failed build is never ready)."""
+        return self._ready.is_set() and self.startup_error is None
+
+    def starting(self) -> str | None:
+        """The start-up phase under way while the engine is being built; None once the build ended."""
+        return None if self._ready.is_set() else self.progress.current
 
     # The server's side (event loop)
 
@@ -285,7 +299,7 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         """The engine thread is alive, its last step did not fail (recently), and, if it has work, it finished
         a step recently."""
-        if not self._thread.is_alive() or self.engine.core.rank_failure() is not None:
+        if not self.ready or not self._thread.is_alive() or self.engine.core.rank_failure() is not None:
             return False
         now_s = time.monotonic()
         if self._num_failed_steps_in_a_row and now_s - self._last_failure_s < self.unhealthy_after_failure_s:
@@ -294,6 +308,10 @@ class AsyncLLMEngine:
 
     def fatal_error(self) -> str | None:
         """Why the engine can serve no more (it stopped, or a tensor-parallel rank exited); None while it can."""
+        if self.startup_error is not None:
+            return f"start-up failed ({self.progress.current}): {self.startup_error}"
+        if not self.ready:
+            return None
         return self.failure or self.engine.core.rank_failure()
 
     def stop_accepting(self) -> None:
@@ -305,7 +323,8 @@ class AsyncLLMEngine:
         with self._lock:  # with `generate` under the same lock, no request is queued behind the stop command
             self._refusal = "the server is shutting down"
             self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self.ready:  # a build under way is not waited for: its thread is a daemon, and dies with the process
+            self._thread.join(timeout=10)
 
     async def engine_state(self) -> EngineState:
         """The latest snapshot of the KV cache and the queues; a new one, taken between steps, if the last is older
@@ -349,13 +368,14 @@ class AsyncLLMEngine:
 
     # The engine thread
 
-    def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
+    def _run(self, make_engine: Callable[[StartupProgress], LLMEngine]) -> None:
         try:
-            self.engine = make_engine()
+            self.engine = make_engine(self.progress)
+            self.inputs, self.outputs = self.engine.inputs, self.engine.outputs
             self._report_stats()  # the KV cache's size and empty queues, before any request
             self._state = self._take_state()
-        except BaseException as error:  # re-raised by the constructor on the caller's thread
-            self._startup_error = error
+        except BaseException as error:  # re-raised by the constructor, or reported by `fatal_error`
+            self.startup_error = error
             return
         finally:
             self._ready.set()

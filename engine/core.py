@@ -25,6 +25,7 @@ from kvserve.engine.prompt_scoring import PromptScoring
 from kvserve.engine.request import CoreRequest
 from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
 from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
 from kvserve.engine.worker import Worker
@@ -45,8 +46,9 @@ class _Sampling:
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int], grammars: GrammarCompiler
-    ) -> None:
+        self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int], grammars: GrammarCompiler,
+        progress: StartupProgress | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.device = config.torch_device()
         if self.device.type == "cpu":
@@ -57,7 +59,14 @@ class EngineCore:
         # With tensor parallelism the other ranks start here and build their shards beside this one.
         self.ranks = start_ranks(config, model_dir, self.device) if config.tensor_parallel_size > 1 else None
         try:
-            self._build_worker(config)
+            self._build_worker(config, progress or StartupProgress())
+        except Exception as error:
+            # A rank that died while loading shows here as a broken collective: name the rank, not the socket.
+            gone = self.rank_failure()
+            self.kill_ranks()
+            if gone is not None:
+                raise RuntimeError(f"{gone} while the engine was starting ({error})") from error
+            raise
         except BaseException:
             self.kill_ranks()
             raise
@@ -79,9 +88,9 @@ class EngineCore:
         self._prompt_scoring = PromptScoring()
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
 
-    def _build_worker(self, config: EngineConfig) -> None:
+    def _build_worker(self, config: EngineConfig, progress: StartupProgress) -> None:
         group = self.ranks.group if self.ranks is not None else None
-        worker = Worker.load(config, self.model_dir, self.device, group)
+        worker = Worker.load(config, self.model_dir, self.device, group, progress)
         self.runner = ModelRunner(worker, config.max_num_seqs, group)
         self.model, self.kv_cache, self.limits = worker.model, worker.kv_cache, worker.limits
         self.vocab_size = self.model.config.vocab_size

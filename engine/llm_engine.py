@@ -19,6 +19,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.request import CoreRequest, GenerationRequest, Prompt
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import StepResult
 from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -30,24 +31,28 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, limits: RequestLimits = NO_LIMITS, chat_template: str | None = None
-    ) -> None:
+        self, config: EngineConfig, limits: RequestLimits = NO_LIMITS, chat_template: str | None = None,
+        progress: StartupProgress | None = None,
+    ) -> None:  # fmt: skip
         """`limits`: a server's caps on one request (the offline API has none); `chat_template`: one over the
-        tokenizer's."""
+        tokenizer's; `progress`: start-up's phases, logged and readable while they run (the server's /health)."""
         self.config = config
+        progress = progress or StartupProgress()
         model_dir = Path(config.model) if config.model else default_model_dir()
         if config.model is None:
             logger.info(DEFAULT_MODEL_NOTICE)
-        check_checkpoint_dir(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        eos = eos_token_ids(model_dir, self.tokenizer)
+        with progress.phase("checking the checkpoint and loading its tokenizer"):
+            check_checkpoint_dir(model_dir)
+            self.tokenizer = load_tokenizer(model_dir)
+            eos = eos_token_ids(model_dir, self.tokenizer)
         grammars = GrammarCompiler(self.tokenizer, load_decoder_config(model_dir).vocab_size, eos)
-        self.core = EngineCore(config, model_dir, eos, grammars)
+        self.core = EngineCore(config, model_dir, eos, grammars, progress)
         core = self.core
         model_limits = ModelLimits(core.vocab_size, core.limits.max_model_len, core.kv_cache.num_tokens)
         self.inputs = InputProcessor(self.tokenizer, model_limits, grammars, limits, chat_template)
         self.outputs = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        progress.finish()
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, cache_salt: str | None = None

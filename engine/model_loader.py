@@ -5,10 +5,11 @@ code when unpickled, and `trust_remote_code` is never set, so a checkpoint canno
 """
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
@@ -146,7 +147,7 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
     loaded: set[str] = set()
     with torch.no_grad():
         for path in files:
-            with safe_open(str(path), framework="pt") as shard:
+            with _open_shard(path) as shard:
                 for stored_name in shard.keys():  # noqa: SIM118 - safe_open has no __iter__
                     name = _renamed(stored_name, model.config.checkpoint_renames)
                     if name.endswith(_IGNORED_SUFFIXES) or (
@@ -173,6 +174,19 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
     missing = sorted(set(expected) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+@contextmanager
+def _open_shard(path: Path):
+    """A safetensors file, or a `CheckpointError` naming it: missing, or unreadable (cut short, as a copy still
+    being written is). Errors while reading its tensors name it too."""
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} is missing from {path.parent} (model.safetensors.index.json lists it)")
+    try:
+        with safe_open(str(path), framework="pt") as shard:
+            yield shard
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path.name} cannot be read ({error}): is it complete?") from None
 
 
 def _read(shard, name: str, part: Slice | None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from kvserve.engine.kv_sizing import StepLimits, build_kv_cache, log_kv_cache, p
 from kvserve.engine.model_loader import checkpoint_dtype, load_model, prepare_weights
 from kvserve.engine.models import DecoderForCausalLM
 from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_inputs import InputBuffers, StepInputs
 from kvserve.engine.step_plan import StepPlan
 from kvserve.kernels import AttentionShape, KernelBackend, select_backend
@@ -44,24 +45,33 @@ class Worker:
 
     @classmethod
     def load(
-        cls, config: EngineConfig, model_dir: Path, device: torch.device, group: TensorParallelGroup | None = None
-    ) -> "Worker":
+        cls, config: EngineConfig, model_dir: Path, device: torch.device, group: TensorParallelGroup | None = None,
+        progress: StartupProgress | None = None,
+    ) -> "Worker":  # fmt: skip
         """This rank's worker, ready to step: its shard loaded, the KV cache sized (as the tightest rank's budget
-        allows), kernels warmed up and decode graphs captured where the config and the device call for them."""
-        model = load_model(model_dir, config.torch_dtype(device, checkpoint_dtype(model_dir)), device, group)
+        allows), kernels warmed up and decode graphs captured where the config and the device call for them; each
+        phase logged through `progress`."""
+        progress = progress or StartupProgress()
+        with progress.phase("loading weights"):
+            model = load_model(model_dir, config.torch_dtype(device, checkpoint_dtype(model_dir)), device, group)
         shape = AttentionShape(config.max_num_seqs, model.plan.num_heads, model.config.head_dim)
-        backend = select_backend(config.attention_backend, device, shape)
-        prepare_weights(model, backend)
+        with progress.phase("loading the kernels"):  # on a CPU, the C++ kernels are built here the first time
+            backend = select_backend(config.attention_backend, device, shape)
+            prepare_weights(model, backend)
         limits = step_limits(config, model.config)
-        kv_cache = build_kv_cache(config, model, device, limits, backend, group)
+        with progress.phase("sizing the KV cache"):
+            kv_cache = build_kv_cache(config, model, device, limits, backend, group)
         log_kv_cache(model, kv_cache, device, model_dir)
         worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device)
         if device.type == "cuda":
-            logger.info("kernels compiled and warmed up in %.1f s", worker.warm_up())
+            with progress.phase("compiling and warming up the kernels"):
+                worker.warm_up()
         if config.eager_graph_replay:
-            worker.capture_decode_graphs(capture_sizes(config.max_num_seqs), kind=EagerReplay)
+            with progress.phase("capturing decode graphs (eager replay)"):
+                worker.capture_decode_graphs(capture_sizes(config.max_num_seqs), kind=EagerReplay)
         elif device.type == "cuda" and not config.enforce_eager:
-            worker.capture_decode_graphs(capture_sizes(config.max_num_seqs))
+            with progress.phase("capturing CUDA graphs"):
+                worker.capture_decode_graphs(capture_sizes(config.max_num_seqs))
         return worker
 
     @torch.inference_mode()

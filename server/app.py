@@ -43,8 +43,9 @@ def kvserve_version() -> str:
         return "unknown"
 
 
-class RefuseWhileDraining:
-    """Answers 503 to every request but /health and /metrics once `state.draining` is set.
+class RefuseUnlessServing:
+    """Answers 503 to every request but /health and /metrics while the engine starts, once `state.draining` is set,
+    and after a failed start.
 
     Plain ASGI on purpose: an `@app.middleware("http")` wraps `receive` so that a handler's
     `request.is_disconnected()` never sees the client go, and a request nobody waits for runs on.
@@ -55,9 +56,16 @@ class RefuseWhileDraining:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.state.draining and scope["path"] not in ("/health", "/metrics"):
-            error = APIError(503, "the server is shutting down", type="service_unavailable_error")
-            return await error.response()(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
+            refusal = "the server is shutting down" if self.state.draining else None
+            phase = self.state.ctx.engine.starting()
+            if phase is not None:
+                refusal = f"the server is starting: {phase}"
+            elif not self.state.ctx.engine.ready:
+                refusal = "the server failed to start"
+            if refusal is not None:
+                error = APIError(503, refusal, type="service_unavailable_error")
+                return await error.response()(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -75,7 +83,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
                            allow_headers=["*"])  # fmt: skip
     app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
     app.add_middleware(HeaderLimits)
-    app.add_middleware(RefuseWhileDraining, state=app.state)
+    app.add_middleware(RefuseUnlessServing, state=app.state)
     app.add_middleware(CountHTTPRequests, metrics=ctx.metrics, routes=app.routes)  # last added runs first
 
     def require_api_key(request: Request) -> None:
@@ -94,6 +102,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
         response_model=HealthResponse, responses={503: {"model": HealthResponse, "description": "unhealthy"}},
     )  # fmt: skip
     async def health():
+        phase = ctx.engine.starting()
+        if phase is not None:
+            return JSONResponse({"status": f"starting: {phase}"}, status_code=503)
         if app.state.draining or not ctx.engine.is_healthy():
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}

@@ -23,7 +23,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def _model_errors() -> tuple[type[Exception], ...]:
+def model_errors() -> tuple[type[Exception], ...]:
     """A checkpoint kvserve cannot load (or split over the ranks asked for): one line on stderr and exit status 2,
     as for bad settings, not a traceback."""
     from kvserve.engine.model_loader import CheckpointError
@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         return serve(settings)
-    except _model_errors() as error:
+    except model_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
@@ -110,7 +110,7 @@ def _generate(args: argparse.Namespace) -> int:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             seed=args.seed,
         )
-    except _model_errors() as error:
+    except model_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)

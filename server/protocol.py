@@ -396,7 +396,10 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "unhealthy"]
+    status: str = Field(
+        description='"ok"; "unhealthy"; or, while the server starts, "starting: " and the phase under way',
+        pattern="^(ok|unhealthy|starting: .+)$",
+    )
 
 
 class VersionResponse(BaseModel):

@@ -1,10 +1,14 @@
 """`kvserve serve`: build the engine and the app, run uvicorn, drain on SIGTERM, stop if the engine fails."""
 
+import contextlib
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import uvicorn
 
@@ -14,6 +18,7 @@ from kvserve.engine.default_model import DEFAULT_MODEL_NAME
 from kvserve.engine.input_processor import RequestLimits
 from kvserve.engine.parallel.launch import launched_rank
 from kvserve.engine.parallel.rank_process import run_launched_rank
+from kvserve.engine.startup import StartupProgress
 from kvserve.server.app import create_app
 from kvserve.server.context import ServerContext
 from kvserve.server.metrics import ServerMetrics
@@ -25,27 +30,30 @@ DRAIN_POLL_S = 0.1
 MAX_INCOMPLETE_EVENT_BYTES = 64 * 1024
 
 
-def build_context(settings: ServerSettings) -> ServerContext:
+def build_context(settings: ServerSettings, wait_ready: bool = True) -> ServerContext:
+    """The server's context; its engine is built on the engine thread, and, unless `wait_ready`, still being built
+    when this returns (`kvserve serve` binds its port meanwhile, and answers 503 "starting: <phase>")."""
     default_name = Path(settings.model).name if settings.model else DEFAULT_MODEL_NAME
     model_name = settings.served_model_name or default_name
     metrics = ServerMetrics(model_name)
     metrics.tensor_parallel_size.set(settings.tensor_parallel_size)
     engine = AsyncLLMEngine(
-        lambda: _make_engine(settings),
+        lambda progress: _make_engine(settings, progress),
         max_queued_requests=settings.max_queued_requests,
         on_stats=metrics.record_step,
         max_consecutive_step_failures=settings.max_consecutive_step_failures,
         stall_timeout_s=settings.engine_stall_timeout_s,
+        wait_ready=wait_ready,
     )
     return ServerContext(settings=settings, engine=engine, model_name=model_name, metrics=metrics)
 
 
-def _make_engine(settings: ServerSettings) -> LLMEngine:
+def _make_engine(settings: ServerSettings, progress: StartupProgress) -> LLMEngine:
     limits = RequestLimits(
         max_n=settings.max_n, max_prompts=settings.max_prompts, max_stop_strings=settings.max_stop_strings,
         max_stop_string_chars=settings.max_stop_string_chars,
     )  # fmt: skip
-    engine = LLMEngine(settings.engine_config(), limits, _read_chat_template(settings.chat_template))
+    engine = LLMEngine(settings.engine_config(), limits, _read_chat_template(settings.chat_template), progress)
     if os.environ.get("KVSERVE_FAULT_INJECTION"):  # tests only: the serving path never imports kvserve.testing
         from kvserve.testing import fault_injection
 
@@ -81,15 +89,27 @@ class DrainingServer(uvicorn.Server):
         self.ctx = ctx
         self._draining = False
         self.exit_status = 0
+        self._started_s = time.monotonic()
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s; a failed engine takes no more requests, so a supervisor should restart us.
         failure = self.ctx.engine.fatal_error()
         if failure is not None and not self.exit_status:
-            logger.error("the engine cannot serve any more (%s); exiting with status 1", failure)
-            self.exit_status = 1
-            self.should_exit = True
+            if self.ctx.engine.startup_error is not None:
+                logger.error("%s; exiting", failure)
+            else:
+                logger.error("the engine cannot serve any more (%s); exiting with status 1", failure)
+            self._exit(1)
+        phase, limit_s = self.ctx.engine.starting(), self.ctx.settings.startup_timeout_s
+        if phase is not None and limit_s is not None and time.monotonic() - self._started_s > limit_s:
+            if not self.exit_status:
+                logger.error("start-up did not finish within %.0f s: stuck %s; exiting with status 1", limit_s, phase)
+            self._exit(1)
         return await super().on_tick(counter)
+
+    def _exit(self, status: int) -> None:
+        self.exit_status = self.exit_status or status
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         timeout_s = self.ctx.settings.drain_timeout_s
@@ -128,11 +148,56 @@ def serve(settings: ServerSettings) -> int:
         logger.info("tensor-parallel rank %d: running the worker loop for rank 0", rank)
         run_launched_rank(settings.engine_config())
         return 0
-    ctx = build_context(settings)
+    ctx = build_context(settings, wait_ready=False)
     server = DrainingServer(uvicorn_config(ctx, host=settings.host, port=settings.port, log_level="info"), ctx)
-    logger.info("serving %r at http://%s:%d/v1 (docs at /docs)", ctx.model_name, settings.host, settings.port)
+    logger.info("serving %r at http://%s:%d/v1 (docs at /docs); /health answers 503 until start-up is done",
+                ctx.model_name, settings.host, settings.port)  # fmt: skip
+    status = 1  # unless the server returns, or uvicorn exits with a status of its own
     try:
         server.run()
+        status = server.exit_status
+    except SystemExit as error:  # uvicorn's, when it cannot bind the port (it has logged why)
+        status = error.code if isinstance(error.code, int) else 1
     finally:
         ctx.engine.shutdown()
-    return server.exit_status
+        if not ctx.engine.ready:
+            _leave_before_ready(ctx.engine.startup_error, status)
+    return status
+
+
+def _leave_before_ready(startup_error: BaseException | None, status: int) -> NoReturn:
+    """Exit a server whose engine was never built: a checkpoint kvserve cannot load is one `error:` line and status
+    2 (as bad settings are); the processes a build left running are stopped. The engine thread may be inside torch
+    (loading weights, the fallback after a stopped build), and the interpreter's exit would tear torch down under
+    it (std::terminate, a core dump): nothing of an unfinished start-up needs saving, so leave at once."""
+    from kvserve.server.cli import model_errors
+
+    if isinstance(startup_error, model_errors()):
+        print(f"error: {startup_error}", file=sys.stderr, flush=True)
+        status = 2
+    _stop_descendants()
+    logging.shutdown()
+    os._exit(status)
+
+
+def _stop_descendants() -> None:
+    """SIGTERM to the processes below this one: leaving before the engine is built (a signal, a start-up timeout),
+    the compiler and ninja of a first build of the C++ kernels would run on without us. (Tensor-parallel ranks die
+    with this process on their own.)"""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone while we looked
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    below, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            below.append(child)
+            todo.append(child)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    if below:
+        logger.info("stopped %d processes left by the unfinished start-up", len(below))

@@ -46,6 +46,9 @@ class _ServerOnlySettings(BaseModel):
         False, description="accept request fields kvserve does not know (logged, then ignored) instead of a 400"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    startup_timeout_s: float | None = Field(
+        None, gt=0, description="exit with status 1, naming the phase, if start-up takes longer (default: no limit)"
+    )
     max_consecutive_step_failures: int = Field(
         3, ge=1, description="after this many failed model steps in a row the server exits with status 1"
     )

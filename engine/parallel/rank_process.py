@@ -16,6 +16,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.default_model import default_model_dir
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.launch import RankSpec, cpu_threads_per_rank, launched_spec, rank_device
+from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_plan import StepPlan
 from kvserve.engine.worker import Worker
 
@@ -42,7 +43,7 @@ def run_rank(spec: RankSpec) -> None:
         torch.set_num_threads(cpu_threads_per_rank(spec.size))
     group = TensorParallelGroup.join(spec.rank, spec.size, spec.init_method, device, config.tensor_parallel_timeout_s)
     try:
-        worker = Worker.load(config, Path(spec.model_dir), device, group)
+        worker = Worker.load(config, Path(spec.model_dir), device, group, StartupProgress(f"rank {spec.rank}"))
         while (plan := StepPlan.receive(group)) is not None:
             worker.execute(plan)
     finally:
