@@ -9,7 +9,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: install run generate test soak lint bench bench-serve gpu-wheels gpu-dry-run clean
+.PHONY: install run generate test test-slow soak lint bench bench-serve gpu-wheels gpu-dry-run clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ generate: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
+
+# The tests marked slow (cold C++ builds, start-ups killed in every phase: about 4 minutes); CI runs them too.
+test-slow: install
+	$(BIN)/pytest -q -m slow
 
 # Constant mixed load against a `kvserve serve` process (10 minutes; SOAK_ARGS="--duration-s 60" for less).
 soak: install

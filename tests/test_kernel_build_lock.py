@@ -59,6 +59,7 @@ def test_a_live_builder_is_waited_for_within_a_bound():
     assert elapsed_s < 30
 
 
+@pytest.mark.slow  # a cold build of the C++ kernels
 def test_a_build_killed_midway_is_followed_by_a_normal_one(tmp_path):
     """The issue's case: the first start is killed while it compiles (Ctrl-C, OOM kill, a rolled-back deploy); the
     next start builds and loads within a normal build's time."""
@@ -84,6 +85,7 @@ def test_a_build_killed_midway_is_followed_by_a_normal_one(tmp_path):
     print(f"build after a killed one: {time.monotonic() - start_s:.1f} s")
 
 
+@pytest.mark.slow  # a cold build of the C++ kernels
 def test_a_folder_that_cannot_be_written_falls_back_to_the_temporary_directory(tmp_path):
     """TORCH_EXTENSIONS_DIR below a regular file cannot be created, even by root (as a read-only home cannot be
     written by its user): the build goes to the temporary directory, and says so."""
@@ -123,6 +125,7 @@ def test_the_build_name_changes_with_the_sources(tmp_path, monkeypatch):
     assert extension_name().split("_")[2] == before.split("_")[2]  # the same CPU
 
 
+@pytest.mark.slow  # a cold build of the C++ kernels
 def test_a_full_disk_under_the_build_folder_ends_in_the_torch_path(tmp_path):
     """The build folder on a 256 KiB tmpfs: the compiler's output does not fit, the build fails saying so, and the
     engine takes the torch path (it serves; slower) instead of hanging or crashing."""

@@ -163,6 +163,7 @@ def test_sigterm_while_starting_exits_promptly_and_leaves_nothing(tiny_checkpoin
     assert not (cpu_extension._build_directory() / "lock").exists()  # it never started torch's build
 
 
+@pytest.mark.slow  # a cold build of the C++ kernels
 def test_two_servers_started_at_once_on_a_cold_cache_build_the_kernels_once(tiny_checkpoints, tmp_path):
     if not load_cpu_kernels():
         pytest.skip("no C++ compiler to build the CPU kernels")
@@ -189,6 +190,7 @@ def test_two_servers_started_at_once_on_a_cold_cache_build_the_kernels_once(tiny
     assert sum("waiting up to" in log and "C++ CPU kernels loaded in" in log for log in logs) == 1, logs
 
 
+@pytest.mark.slow  # eight start-ups
 @pytest.mark.parametrize(
     "phase", ["checking the checkpoint and loading its tokenizer", "loading weights", "loading the kernels",
               "sizing the KV cache"],
@@ -209,6 +211,7 @@ def test_a_start_killed_in_any_phase_is_followed_by_a_normal_one(tiny_checkpoint
     assert completion.status_code == 200, completion.text
 
 
+@pytest.mark.slow  # a cold build of the C++ kernels
 def test_sigterm_while_the_kernels_compile_stops_the_compiler_too(tiny_checkpoints, tmp_path):
     """A first start on a cold cache, stopped while torch's builder runs ninja and the compiler: the server exits
     promptly with no process of the build left running; the next start builds and serves."""
