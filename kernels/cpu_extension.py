@@ -101,7 +101,13 @@ def _torch_extensions_root() -> Path:
 
 def _wait_limit_s() -> float:
     value = os.environ.get("KVSERVE_KERNEL_BUILD_WAIT_S")
-    return float(value) if value else BUILD_WAIT_S
+    if not value:
+        return BUILD_WAIT_S
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        logger.warning("KVSERVE_KERNEL_BUILD_WAIT_S=%r is not a number of seconds; waiting %.0f s", value, BUILD_WAIT_S)
+        return BUILD_WAIT_S
 
 
 @contextmanager

@@ -141,3 +141,10 @@ def test_a_full_disk_under_the_build_folder_ends_in_the_torch_path(tmp_path):
     assert result.stdout.strip() == "torch path", result.stderr
     assert "No space left on device" in result.stderr
     assert "C++ CPU kernels unavailable, using the torch attention path" in result.stderr
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", 300.0), ("2.5", 2.5), ("-1", 0.0), ("abc", 300.0)])
+def test_the_build_wait_setting_is_read_leniently(monkeypatch, value, expected):
+    """A bad KVSERVE_KERNEL_BUILD_WAIT_S is logged and the default used: it must not stop a start."""
+    monkeypatch.setenv("KVSERVE_KERNEL_BUILD_WAIT_S", value)
+    assert cpu_extension._wait_limit_s() == expected
