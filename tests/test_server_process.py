@@ -133,11 +133,11 @@ def serve_process(model_dir: Path, tmp_path: Path, *flags: str, **env: str) -> I
                 os.kill(pid, signal.SIGKILL)
 
 
-def _wait_until_healthy(server: ServerProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+def _wait_until_healthy(server: ServerProcess, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         assert server.process.poll() is None, f"the server exited while starting:\n{server.log()}"
-        assert time.monotonic() < deadline, f"no healthy server after {STARTUP_TIMEOUT_S} s:\n{server.log()}"
+        assert time.monotonic() < deadline, f"no healthy server after {timeout_s} s:\n{server.log()}"
         try:
             if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
                 return

@@ -22,6 +22,8 @@ import pytest
 from kvserve.kernels import cpu_extension
 from kvserve.kernels.cpu_extension import extension_name, load_cpu_kernels
 from tests.test_server_process import (
+    ServerProcess,
+    _wait_until_healthy,
     assert_all_gone,
     descendants,
     free_port,
@@ -37,6 +39,10 @@ def start(model_dir: Path, tmp_path: Path, port: int, *flags: str, **env: str) -
     log = (tmp_path / f"server-{port}.log").open("w")
     return subprocess.Popen(serve_command(model_dir, "--port", str(port), *flags), env=process_env(tmp_path, **env),
                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def as_server(process: subprocess.Popen, tmp_path: Path, port: int) -> ServerProcess:
+    return ServerProcess(process, f"http://127.0.0.1:{port}", tmp_path / f"server-{port}.log")
 
 
 def log_of(tmp_path: Path, port: int) -> str:
@@ -81,10 +87,7 @@ def test_health_names_the_phase_while_starting_and_requests_get_503(tiny_checkpo
         assert httpx.get(base_url + "/metrics", timeout=5).status_code == 200
 
         fcntl.flock(held_kernel_build_lock, fcntl.LOCK_UN)  # the other "builder" finished
-        deadline = time.monotonic() + 60
-        while (health := httpx.get(base_url + "/health", timeout=2)).status_code != 200:
-            assert time.monotonic() < deadline and process.poll() is None, log_of(tmp_path, port)
-            time.sleep(0.1)
+        _wait_until_healthy(as_server(process, tmp_path, port), timeout_s=60)
         completion = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert completion.status_code == 200, completion.text
     finally:
@@ -172,15 +175,8 @@ def test_two_servers_started_at_once_on_a_cold_cache_build_the_kernels_once(tiny
     processes = [start(tiny_checkpoints["llama"], tmp_path, port, **cold) for port in ports]
     try:
         for port, process in zip(ports, processes, strict=True):
-            deadline = time.monotonic() + 240  # a cold build on 2 busy cores, then the other's load
-            while True:
-                assert process.poll() is None and time.monotonic() < deadline, log_of(tmp_path, port)
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+            # A cold build on 2 busy cores, then the other's load.
+            _wait_until_healthy(as_server(process, tmp_path, port), timeout_s=240)
     finally:
         for process in processes:
             process.kill()
