@@ -76,16 +76,22 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def assert_all_gone(pids: set[int]) -> None:
-    """None of `pids` is still running (a zombie waiting for its parent counts as gone)."""
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
+def assert_all_gone(pids: set[int], within_s: float = 0.0) -> None:
+    """None of `pids` is still running (a zombie waiting for its parent counts as gone), now or, given `within_s`,
+    within that many seconds (a process that exits once its parent's pipe closes takes a moment)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = set()
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.add(pid)
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     assert not alive, f"processes left behind: {alive}"
 
 

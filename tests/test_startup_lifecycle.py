@@ -226,8 +226,7 @@ def test_sigterm_while_the_kernels_compile_stops_the_compiler_too(tiny_checkpoin
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=EXIT_LIMIT_S) == 0
     assert time.monotonic() - start_s < 10, log_of(tmp_path, port)
-    time.sleep(1)  # SIGTERM reached them as the server left: give them a moment to go
-    assert_all_gone(children)
+    assert_all_gone(children, within_s=10)  # SIGTERM reached them as the server left: a moment to go
     with serve_process(tiny_checkpoints["llama"], tmp_path, **cold) as server:
         completion = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert completion.status_code == 200, completion.text
@@ -249,7 +248,8 @@ def test_a_tensor_parallel_rank_killed_while_loading_ends_the_start_naming_it(ti
     assert process.wait(timeout=EXIT_LIMIT_S) == 1, log_of(tmp_path, port)
     log = log_of(tmp_path, port)
     assert "start-up failed" in log and "rank 1" in log.split("start-up failed", 1)[1], log
-    assert_all_gone(children)
+    # multiprocessing's resource tracker ignores SIGTERM and leaves once the server's end of its pipe closes.
+    assert_all_gone(children, within_s=10)
 
 
 def test_a_model_folder_changed_under_a_running_server_changes_nothing_it_serves(tiny_checkpoints, tmp_path):
