@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.block_quant import QuantizedWeight, chunked_quantized_linear
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.torch_layer_ops import TorchLayerOps
@@ -38,6 +39,13 @@ class KernelBackend(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: object | None
     ) -> torch.Tensor:
         """`F.linear(x, weight, bias)`, on `prepared` (what `prepare_linear` made of `weight`) where there is one."""
+        ...
+
+    def quantized_linear(
+        self, x: torch.Tensor, weights: tuple[QuantizedWeight, ...], bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`F.linear` of x [rows, in] with a block-quantized weight given as row segments (kernels/block_quant.py),
+        computed in float32, in x's dtype."""
         ...
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
@@ -106,6 +114,9 @@ class TorchGemm:
 
     def linear(self, x, weight, bias, prepared) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def quantized_linear(self, x, weights, bias) -> torch.Tensor:
+        return chunked_quantized_linear(x, weights, bias)
 
     def prepare_experts(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
         return None

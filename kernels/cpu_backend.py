@@ -10,6 +10,10 @@ from kvserve.kernels import onednn, torch_moe, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.paged_kv import PagedKV
 
+# Rows of input up to which a block-quantized linear layer runs the fused kernel (one pass over the weight); past
+# them, widened chunks of the weight and a GEMM (kernels/csrc/cpu_block_quant.cpp).
+MAX_FUSED_ROWS = 64
+
 
 @dataclass(frozen=True)
 class CpuBackend:
@@ -26,6 +30,17 @@ class CpuBackend:
         if prepared is None:
             return F.linear(x, weight, bias)
         return onednn.packed_linear(x, prepared, bias)
+
+    def quantized_linear(self, x, weights, bias) -> torch.Tensor:
+        out = torch.empty(x.shape[0], sum(w.out_features for w in weights), dtype=x.dtype)
+        first = 0
+        for weight in weights:
+            torch.ops.kvserve_cpu.block_quant_linear(
+                out.narrow(1, first, weight.out_features), x, weight.data, weight.format.code, weight.in_features,
+                MAX_FUSED_ROWS,
+            )  # fmt: skip
+            first += weight.out_features
+        return out if bias is None else out.add_(bias)
 
     def prepare_experts(self, gate_up_weight, down_weight) -> torch_moe.OneDnnExperts | None:
         return torch_moe.OneDnnExperts(gate_up_weight, down_weight) if onednn.can_pack(gate_up_weight) else None

@@ -32,7 +32,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_block_quant.cpp")
+]
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 BUILD_WAIT_S = 300.0  # a cold build takes 10-20 s on 2 cores
 LOCK_POLL_S = 0.2

@@ -1,0 +1,472 @@
+// Linear layers over block-quantized weights (GGML's block layouts, described in kernels/block_quant.py beside
+// their torch reference). The weight stays in its bytes: each block is widened to float32 in a small buffer that
+// stays in L1, used at once by every row of the input, and dropped; no copy of the whole weight is ever made.
+//
+// Few input rows (decode): one pass over the weight, each output computed as a float32 dot product of the widened
+// blocks and the input row. Many rows (prompt chunks): a chunk of the weight's rows is widened into a scratch
+// buffer and multiplied by a GEMM, chunk after chunk, so the widening is paid once per step, not once per row.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_vec.h"
+
+namespace kvserve {
+namespace {
+
+// The formats' numbers, as kernels/block_quant.py's FORMATS gives them.
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ6_K = 3, kF16 = 4, kBF16 = 5, kQ5_0 = 6, kF32 = 7 };
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion branches on subnormals
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Sub-block j's 6-bit scale and min from the 12 packed bytes (the layout kernels/block_quant.py describes).
+inline void q4_k_scale_min(const uint8_t* packed, int j, float* scale, float* min) {
+  if (j < 4) {
+    *scale = packed[j] & 63;
+    *min = packed[j + 4] & 63;
+  } else {
+    *scale = (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4);
+    *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+  }
+}
+
+
+// The fused path works in 8-float vectors, one AVX2 register (half of one with AVX-512): arrays of wider generic
+// vectors than the machine's registers are kept in memory by GCC, and the sums of a tile must stay in registers.
+typedef float Float8 __attribute__((vector_size(8 * sizeof(float))));
+typedef uint8_t Uint8x8 __attribute__((vector_size(8)));
+typedef int8_t Int8x8 __attribute__((vector_size(8)));
+typedef uint16_t Uint16x8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+typedef uint32_t Uint32x8 __attribute__((vector_size(8 * sizeof(uint32_t))));
+typedef int32_t Int32x8 __attribute__((vector_size(8 * sizeof(int32_t))));
+
+template <typename V>
+inline V vector_at(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline Float8 load8(const float* p) { return vector_at<Float8>(p); }
+
+// Bytes to floats. GCC turns __builtin_convertvector from 8 bytes into 8 scalar conversions; AVX2 widens them in two
+// instructions, so it is asked for by name where the machine has it.
+#if defined(__AVX2__) && defined(__F16C__)
+inline Float8 widen8(Uint8x8 v) {
+  int64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits)));
+}
+
+inline Float8 widen8_signed(const uint8_t* p) {
+  return (Float8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The nibbles of 16 bytes as floats: low nibbles of bytes 0-7 and 8-15, then high nibbles of bytes 0-7 and 8-15.
+inline void nibbles16(const uint8_t* p, Float8 out[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  out[0] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+  out[1] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+  out[2] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  out[3] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+}
+
+inline void widen16(__m128i bytes, Float8 out[2]) {
+  out[0] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  out[1] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+}
+
+// q6_k's 6-bit quants of 16 lanes l from bytes a (low nibbles of quants 0 and 2), b (of 1 and 3) and h (two high
+// bits of each quant i at bits 2i): out[i] = its 16 values as floats.
+inline void six_bit_quants16(const uint8_t* a_bytes, const uint8_t* b_bytes, const uint8_t* h_bytes, Float8 out[4][2]) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a_bytes));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b_bytes));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h_bytes));
+  const __m128i nibble = _mm_set1_epi8(0x0F), pair = _mm_set1_epi8(0x30);
+  const __m128i quants[4] = {
+      _mm_or_si128(_mm_and_si128(a, nibble), _mm_and_si128(_mm_slli_epi16(h, 4), pair)),
+      _mm_or_si128(_mm_and_si128(b, nibble), _mm_and_si128(_mm_slli_epi16(h, 2), pair)),
+      _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nibble), _mm_and_si128(h, pair)),
+      _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), _mm_and_si128(_mm_srli_epi16(h, 2), pair)),
+  };
+  for (int i = 0; i < 4; ++i) widen16(quants[i], out[i]);
+}
+
+inline Float8 half8(const uint8_t* p) {
+  return (Float8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline Float8 bfloat16_8(const uint8_t* p) {  // a bfloat16 is the top half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Float8)_mm256_slli_epi32(wide, 16);
+}
+#else
+inline void six_bit_quants16(const uint8_t* a_bytes, const uint8_t* b_bytes, const uint8_t* h_bytes, Float8 out[4][2]) {
+  for (int half = 0; half < 2; ++half) {
+    const Uint8x8 a = vector_at<Uint8x8>(a_bytes + 8 * half), b = vector_at<Uint8x8>(b_bytes + 8 * half);
+    const Uint8x8 h = vector_at<Uint8x8>(h_bytes + 8 * half);
+    const Uint8x8 q[4] = {(a & 0x0F) | ((h & 3) << 4), (b & 0x0F) | (((h >> 2) & 3) << 4),
+                          (a >> 4) | (((h >> 4) & 3) << 4), (b >> 4) | ((h >> 6) << 4)};
+    for (int i = 0; i < 4; ++i) out[i][half] = __builtin_convertvector(q[i], Float8);
+  }
+}
+inline Float8 half8(const uint8_t* p) {
+  Float8 v;
+  for (int i = 0; i < 8; ++i) v[i] = half_at(p + 2 * i);
+  return v;
+}
+inline void nibbles16(const uint8_t* p, Float8 out[4]) {
+  for (int half = 0; half < 2; ++half) {
+    const Uint8x8 v = vector_at<Uint8x8>(p + 8 * half);
+    out[half] = __builtin_convertvector(v & 0x0F, Float8);
+    out[2 + half] = __builtin_convertvector(v >> 4, Float8);
+  }
+}
+inline Float8 widen8(Uint8x8 v) { return __builtin_convertvector(v, Float8); }
+inline Float8 widen8_signed(const uint8_t* p) { return __builtin_convertvector(vector_at<Int8x8>(p), Float8); }
+inline Float8 bfloat16_8(const uint8_t* p) {
+  const Uint32x8 bits = __builtin_convertvector(vector_at<Uint16x8>(p), Uint32x8) << 16;
+  return vector_at<Float8>(&bits);
+}
+#endif
+
+// Each format's blocks as 8-value vectors, in order, handed to `use(offset, values)` where they are made: with the
+// format and the use known at compile time the values never leave registers.
+template <int64_t Format>
+struct Blocks;
+
+template <>
+struct Blocks<kQ8_0> {
+  static constexpr int64_t kValues = 32, kBytes = 34;
+  template <typename Use>
+  static void visit(const uint8_t* block, Use&& use) {
+    const float d = half_at(block);
+    for (int c = 0; c < 4; ++c) use(8 * c, d * widen8_signed(block + 2 + 8 * c));
+  }
+};
+
+template <>
+struct Blocks<kQ4_0> {
+  static constexpr int64_t kValues = 32, kBytes = 18;
+  template <typename Use>
+  static void visit(const uint8_t* block, Use&& use) {
+    const float d = half_at(block);
+    Float8 q[4];  // values 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
+    nibbles16(block + 2, q);
+    for (int c = 0; c < 4; ++c) use(8 * c, d * (q[c] - 8.0f));
+  }
+};
+
+template <>
+struct Blocks<kQ5_0> {
+  static constexpr int64_t kValues = 32, kBytes = 22;
+  template <typename Use>
+  static void visit(const uint8_t* block, Use&& use) {
+    const float d = half_at(block);
+    uint32_t high_bits;
+    std::memcpy(&high_bits, block + 2, sizeof high_bits);
+    const Uint32x8 bits = Uint32x8{} + high_bits;
+    Float8 q[4];
+    nibbles16(block + 6, q);
+    for (int c = 0; c < 4; ++c) {  // value 8c + lane takes bit 8c + lane of high_bits as its bit 4
+      const Uint32x8 lanes = Uint32x8{0, 1, 2, 3, 4, 5, 6, 7} + 8 * c;
+      const Float8 high = __builtin_convertvector((Int32x8)(((bits >> lanes) & 1) << 4), Float8);
+      use(8 * c, d * (q[c] + high - 16.0f));
+    }
+  }
+};
+
+template <>
+struct Blocks<kQ4_K> {
+  static constexpr int64_t kValues = 256, kBytes = 144;
+  template <typename Use>
+  static void visit(const uint8_t* block, Use&& use) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t* packed = block + 4;
+    const uint8_t* q = block + 16;
+    for (int j = 0; j < 4; ++j, q += 32) {
+      float scale_low, min_low, scale_high, min_high;
+      q4_k_scale_min(packed, 2 * j, &scale_low, &min_low);
+      q4_k_scale_min(packed, 2 * j + 1, &scale_high, &min_high);
+      const float d_low = d * scale_low, m_low = dmin * min_low, d_high = d * scale_high, m_high = dmin * min_high;
+      for (int half = 0; half < 2; ++half) {  // bytes 16 * half ...: values 16 * half ... of each sub-block
+        Float8 v[4];
+        nibbles16(q + 16 * half, v);
+        use(64 * j + 16 * half, d_low * v[0] - m_low);
+        use(64 * j + 16 * half + 8, d_low * v[1] - m_low);
+        use(64 * j + 32 + 16 * half, d_high * v[2] - m_high);
+        use(64 * j + 32 + 16 * half + 8, d_high * v[3] - m_high);
+      }
+    }
+  }
+};
+
+template <>
+struct Blocks<kQ6_K> {
+  static constexpr int64_t kValues = 256, kBytes = 210;
+  template <typename Use>
+  static void visit(const uint8_t* block, Use&& use) {
+    const uint8_t* low = block;
+    const uint8_t* high = block + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_at(block + 208);
+    for (int part = 0; part < 2; ++part, low += 64, high += 32, scales += 8) {
+      for (int l = 0; l < 32; l += 16) {  // values 32i + l ... 32i + l + 15 of this half, i = 0..3: sub-block 2i + l/16
+        Float8 q[4][2];
+        six_bit_quants16(low + l, low + l + 32, high + l, q);
+        for (int i = 0; i < 4; ++i) {
+          const float scale = d * scales[2 * i + l / 16];
+          use(128 * part + 32 * i + l, scale * (q[i][0] - 32.0f));
+          use(128 * part + 32 * i + l + 8, scale * (q[i][1] - 32.0f));
+        }
+      }
+    }
+  }
+};
+
+// f32, f16 and bf16: eight values a unit, widened by Widen.
+template <int64_t Bytes, Float8 (*Widen)(const uint8_t*)>
+struct PlainValues {
+  static constexpr int64_t kValues = 8, kBytes = Bytes;
+  template <typename Use>
+  static void visit(const uint8_t* values, Use&& use) {
+    use(0, Widen(values));
+  }
+};
+
+inline Float8 float8(const uint8_t* p) { return vector_at<Float8>(p); }
+
+template <>
+struct Blocks<kF16> : PlainValues<16, half8> {};
+template <>
+struct Blocks<kBF16> : PlainValues<16, bfloat16_8> {};
+template <>
+struct Blocks<kF32> : PlainValues<32, float8> {};
+
+// Input rows of a register tile.
+constexpr int64_t kTileRows = 4;
+
+// sums[r] = the weight row `row` times x's rows r < Rows (a row every `in_features` floats).
+template <int64_t Format, int64_t Rows>
+inline void dot_tile(const uint8_t* row, const float* x, int64_t in_features, float* sums) {
+  using B = Blocks<Format>;
+  Float8 acc[Rows] = {};
+  for (int64_t u = 0; u < in_features / B::kValues; ++u) {
+    const float* x_unit = x + u * B::kValues;
+    B::visit(row + u * B::kBytes, [&](int64_t i, Float8 w) {
+      for (int64_t r = 0; r < Rows; ++r) acc[r] += w * load8(x_unit + r * in_features + i);
+    });
+  }
+  for (int64_t r = 0; r < Rows; ++r) {
+    const Float8 v = acc[r];
+    sums[r] = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+  }
+}
+
+// A weight row widened into `out` (in_features floats): for many input rows, once, then read from L1 by each tile.
+template <int64_t Format>
+void widen_row(const uint8_t* row, int64_t in_features, float* out) {
+  using B = Blocks<Format>;
+  for (int64_t u = 0; u < in_features / B::kValues; ++u) {
+    float* unit = out + u * B::kValues;
+    B::visit(row + u * B::kBytes, [&](int64_t i, Float8 w) { std::memcpy(unit + i, &w, sizeof w); });
+  }
+}
+
+// sums[j][r] = widened weight row j (of WeightRows, a row every in_features floats) times x's row r (of Rows): a
+// register tile of WeightRows x Rows sums, each weight and input vector loaded once for all the sums it enters.
+template <int64_t WeightRows, int64_t Rows>
+inline void tile_sums(const float* w, const float* x, int64_t in_features, float sums[2][kTileRows]) {
+  Float8 acc[WeightRows][Rows] = {};
+  for (int64_t k = 0; k < in_features; k += 8) {
+    Float8 weights[WeightRows];
+    for (int64_t j = 0; j < WeightRows; ++j) weights[j] = load8(w + j * in_features + k);
+    for (int64_t r = 0; r < Rows; ++r) {
+      const Float8 input = load8(x + r * in_features + k);
+      for (int64_t j = 0; j < WeightRows; ++j) acc[j][r] += weights[j] * input;
+    }
+  }
+  for (int64_t j = 0; j < WeightRows; ++j) {
+    for (int64_t r = 0; r < Rows; ++r) {
+      const Float8 v = acc[j][r];
+      sums[j][r] = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+    }
+  }
+}
+
+template <int64_t WeightRows>
+inline void tile_sums(const float* w, const float* x, int64_t in_features, int64_t rows, float sums[2][kTileRows]) {
+  switch (rows) {
+    case 1: return tile_sums<WeightRows, 1>(w, x, in_features, sums);
+    case 2: return tile_sums<WeightRows, 2>(w, x, in_features, sums);
+    case 3: return tile_sums<WeightRows, 3>(w, x, in_features, sums);
+    default: return tile_sums<WeightRows, 4>(w, x, in_features, sums);
+  }
+}
+
+// out [rows, out_features] (any row stride) = x [rows, in_features] @ widened(data).T, all in float32. Up to
+// kTileRows input rows, each weight block is widened in registers and used at once. Past that, a pair of weight rows
+// at a time is widened into a buffer that stays in L1 and multiplied by tiles of input rows there.
+template <int64_t Format, typename scalar_t>
+void fused_rows(const at::Tensor& out, const float* x, int64_t num_rows, const at::Tensor& data, int64_t in_features) {
+  const int64_t row_bytes = data.size(1), out_stride = out.stride(0);
+  const uint8_t* weight = data.data_ptr<uint8_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  if (num_rows <= kTileRows) {
+    at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
+      float sums[kTileRows];
+      for (int64_t n = begin; n < end; ++n) {
+        const uint8_t* row = weight + n * row_bytes;
+        switch (num_rows) {
+          case 1: dot_tile<Format, 1>(row, x, in_features, sums); break;
+          case 2: dot_tile<Format, 2>(row, x, in_features, sums); break;
+          case 3: dot_tile<Format, 3>(row, x, in_features, sums); break;
+          default: dot_tile<Format, 4>(row, x, in_features, sums); break;
+        }
+        for (int64_t r = 0; r < num_rows; ++r) out_data[r * out_stride + n] = static_cast<scalar_t>(sums[r]);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(2 * in_features);
+    float sums[2][kTileRows];
+    for (int64_t n = begin; n < end; n += 2) {
+      const int64_t pair = std::min<int64_t>(2, end - n);
+      for (int64_t j = 0; j < pair; ++j) {
+        widen_row<Format>(weight + (n + j) * row_bytes, in_features, widened.data() + j * in_features);
+      }
+      for (int64_t first = 0; first < num_rows; first += kTileRows) {
+        const int64_t rows = std::min(kTileRows, num_rows - first);
+        const float* x_tile = x + first * in_features;
+        if (pair == 2) {
+          tile_sums<2>(widened.data(), x_tile, in_features, rows, sums);
+        } else {
+          tile_sums<1>(widened.data(), x_tile, in_features, rows, sums);
+        }
+        for (int64_t j = 0; j < pair; ++j) {
+          for (int64_t r = 0; r < rows; ++r) {
+            out_data[(first + r) * out_stride + n + j] = static_cast<scalar_t>(sums[j][r]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// fn(std::integral_constant<int64_t, F>{}) for the format F numbered `format`: one instantiation per format.
+template <typename Fn>
+decltype(auto) with_format(int64_t format, Fn&& fn) {
+  switch (format) {
+    case kQ8_0: return fn(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_0: return fn(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ5_0: return fn(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ4_K: return fn(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return fn(std::integral_constant<int64_t, kQ6_K>{});
+    case kF16: return fn(std::integral_constant<int64_t, kF16>{});
+    case kBF16: return fn(std::integral_constant<int64_t, kBF16>{});
+    case kF32: return fn(std::integral_constant<int64_t, kF32>{});
+  }
+  TORCH_CHECK(false, "block_quant: unknown format ", format);
+}
+
+void check_weight(const at::Tensor& data, int64_t format, int64_t in_features) {
+  const auto [values, bytes] = with_format(format, [](auto f) {
+    return std::pair<int64_t, int64_t>(Blocks<f()>::kValues, Blocks<f()>::kBytes);
+  });
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "block_quant: data is contiguous uint8 [rows, row bytes]");
+  TORCH_CHECK(in_features % values == 0 && data.size(1) == in_features / values * bytes,
+              "block_quant: rows of ", in_features, " values do not fit format ", format);
+}
+
+// Widens weight rows [begin, end) into out (float32, a row every `in_features` values).
+void widen_rows(const uint8_t* data, int64_t row_bytes, int64_t in_features, int64_t format, int64_t begin,
+                int64_t end, float* out) {
+  with_format(format, [&](auto f) {
+    for (int64_t n = begin; n < end; ++n) widen_row<f()>(data + n * row_bytes, in_features, out + (n - begin) * in_features);
+  });
+}
+
+// Rows of the weight widened per GEMM in the many-rows path: 256 rows of 4864 floats are 5 MB.
+constexpr int64_t kChunkRows = 256;
+
+void chunked_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data, int64_t format,
+                  int64_t in_features) {
+  const int64_t out_features = data.size(0), row_bytes = data.size(1);
+  at::Tensor scratch = at::empty({std::min(kChunkRows, out_features), in_features}, x.options().dtype(at::kFloat));
+  for (int64_t first = 0; first < out_features; first += kChunkRows) {
+    const int64_t count = std::min(kChunkRows, out_features - first);
+    const uint8_t* rows = data.data_ptr<uint8_t>() + first * row_bytes;
+    float* widened = scratch.data_ptr<float>();
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      widen_rows(rows, row_bytes, in_features, format, begin, end, widened + begin * in_features);
+    });
+    out.narrow(1, first, count).copy_(at::mm(x, scratch.narrow(0, 0, count).t()));
+  }
+}
+
+// out [rows, out_features] (a column slice of a wider output may be passed) = x @ weight.T, x [rows, in_features]
+// in the model dtype, out in the same dtype; the fused path for up to `max_fused_rows` rows.
+void block_quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data, int64_t format,
+                        int64_t in_features, int64_t max_fused_rows) {
+  check_weight(data, format, in_features);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0) && out.size(1) == data.size(0) && out.scalar_type() == x.scalar_type(),
+              "block_quant_linear: x [rows, in], out [rows, out] in x's dtype with unit column stride");
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  if (x.size(0) > max_fused_rows) {
+    chunked_gemm(out, x_float, data, format, in_features);
+    return;
+  }
+  KVSERVE_DISPATCH_MODEL_DTYPES(x.scalar_type(), "block_quant_linear", [&] {
+    with_format(format, [&](auto f) {
+      fused_rows<f(), scalar_t>(out, x_float.data_ptr<float>(), x.size(0), data, in_features);
+    });
+  });
+}
+
+// out [rows, in_features] float32: rows of the weight widened (the embedding's lookup, and tests).
+void block_quant_dequantize(const at::Tensor& out, const at::Tensor& data, int64_t format, int64_t in_features) {
+  check_weight(data, format, in_features);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == data.size(0) &&
+                  out.size(1) == in_features, "block_quant_dequantize: out float32 [rows, in_features]");
+  at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
+    widen_rows(data.data_ptr<uint8_t>(), data.size(1), in_features, format, begin, end,
+                out.data_ptr<float>() + begin * in_features);
+  });
+}
+
+}  // namespace
+}  // namespace kvserve
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("block_quant_linear(Tensor(a!) out, Tensor x, Tensor data, int format, int in_features, int max_fused_rows)"
+        " -> ()");
+  m.def("block_quant_dequantize(Tensor(a!) out, Tensor data, int format, int in_features) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("block_quant_linear", &kvserve::block_quant_linear);
+  m.impl("block_quant_dequantize", &kvserve::block_quant_dequantize);
+}
