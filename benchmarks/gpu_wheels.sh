@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels the GPU check carries to the GPU machine, whose image has no network and lacks some of what kvserve
 # imports (benchmarks/gpu_image_packages.txt lists what it has). Downloads, for that image's Python 3.12 on x86-64
-# Linux, the versions this checkout's venv holds of the server's packages and llguidance, with their dependencies;
+# Linux, the versions this checkout's venv holds of the server's packages, llguidance and gguf, with their dependencies;
 # keeps only the wheels of projects the image lacks (torch, triton and the rest are the image's own), and checks
 # that they fit the 64 MiB a device run carries. gpu_check.sh installs them, offline, before its first stage.
 #
@@ -19,7 +19,7 @@ max_bytes=$((60 << 20))  # of the 64 MiB a run carries, with room for the workin
 # Pinned to this venv's versions: the dry run (gpu_check.sh --dry-run) then runs the code against what the GPU gets.
 requirements=$("$python" - <<'EOF'
 from importlib.metadata import version
-print(" ".join(f"{name}=={version(name)}" for name in ("fastapi", "uvicorn", "pydantic", "llguidance")))
+print(" ".join(f"{name}=={version(name)}" for name in ("fastapi", "uvicorn", "pydantic", "llguidance", "gguf")))
 EOF
 )
 download_dir=$(mktemp -d)

@@ -1,4 +1,5 @@
-"""Build a model from a HF checkpoint directory: config.json plus safetensors (single or sharded).
+"""Build a model from a HF checkpoint directory (config.json plus safetensors, single or sharded) or a GGUF file
+(engine/gguf_checkpoint.py: its quantized tensors stay quantized).
 
 Only local directories and safetensors files are read: pickle checkpoints (`*.bin`, `*.pt`) can run
 code when unpickled, and `trust_remote_code` is never set, so a checkpoint cannot bring its own code.
@@ -13,6 +14,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from kvserve.engine.gguf_checkpoint import GgufFile, find_gguf, load_dense_weights, log_loaded, quantize_layers
+from kvserve.engine.gguf_checkpoint import hf_config as gguf_hf_config
 from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, architecture_of, decoder_config_from_hf
 from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm
 from kvserve.engine.models.moe import Experts, SparseMoeBlock
@@ -32,7 +35,12 @@ class CheckpointError(ValueError):
 
 
 def check_checkpoint_dir(model_dir: Path) -> None:
-    """Refuse what is not a local checkpoint directory before any loader looks at it (and tries a hub)."""
+    """Refuse what is not a local checkpoint directory or GGUF file before any loader looks at it (and tries a
+    hub)."""
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        GgufFile(gguf_path)  # its architecture and tensor types, refused by name here
+        return
     if not model_dir.is_dir():
         raise CheckpointError(f"no checkpoint directory at {model_dir} (kvserve loads local directories only)")
     if not (model_dir / "config.json").is_file():
@@ -49,12 +57,18 @@ def load_model(
     With a tensor-parallel `group`, this rank's shard only, read from the checkpoint slice by slice.
     """
     model_dir = Path(model_dir)
+    gguf_path = find_gguf(model_dir)
     hf_config = _hf_config(model_dir)
     architecture = architecture_of(hf_config)
     config = architecture.build_config(hf_config)
+    if gguf_path is not None and group is not None:
+        raise TensorParallelError("tensor parallelism over a GGUF file's weights is not supported yet")
     plan = ShardPlan.of(config, group.rank, group.size) if group is not None else ShardPlan(config)
     with torch.device("meta"):
         model = architecture.model_class(config, plan, group).to(dtype)
+    gguf_file = GgufFile(gguf_path) if gguf_path is not None else None
+    if gguf_file is not None:
+        quantize_layers(model, gguf_file)
     model.to_empty(device=device)
     model.tie_weights()
     if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases
@@ -66,7 +80,11 @@ def load_model(
             module.compute_tables()
         elif isinstance(module, SparseMoeBlock):
             module.expert_tokens.zero_()
-    _load_weights(model, _safetensors_files(model_dir))
+    if gguf_file is not None:
+        load_dense_weights(model, gguf_file, checkpoint_destinations(model))
+        log_loaded(model, gguf_file)
+    else:
+        _load_weights(model, _safetensors_files(model_dir))
     if config.norm_weight_offset:
         with torch.no_grad():
             for module in model.modules():
@@ -79,7 +97,7 @@ def prepare_weights(model: nn.Module, backend: KernelBackend) -> None:
     """Give every linear layer and expert block the backend's own form of its weights (on a CPU, oneDNN's packed
     copies), made once, now that the weights are loaded."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.weight is not None:
             module.prepared = backend.prepare_linear(module.weight)
         elif isinstance(module, Experts):
             module.prepared = backend.prepare_experts(module.gate_up_weight, module.down_weight)
@@ -90,11 +108,17 @@ def load_decoder_config(model_dir: Path) -> DecoderConfig:
 
 
 def _hf_config(model_dir: Path):
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        return gguf_hf_config(gguf_path)
     return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
 def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
-    """The dtype the checkpoint declares in config.json, if any."""
+    """The dtype the checkpoint declares in config.json, if any (a GGUF file declares none: its types are per
+    tensor)."""
+    if find_gguf(model_dir) is not None:
+        return None
     config = json.loads((Path(model_dir) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype")
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
@@ -123,7 +147,7 @@ def checkpoint_destinations(model: DecoderForCausalLM) -> dict[str, torch.Tensor
             for name, parameter in module.named_parameters(recurse=False):
                 destinations[f"{module_name}.{name}"] = parameter
     if model.config.tie_word_embeddings:
-        del destinations["lm_head.weight"]  # the embedding's weight
+        destinations.pop("lm_head.weight", None)  # the embedding's weight
     return destinations
 
 

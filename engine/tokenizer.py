@@ -5,8 +5,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from kvserve.engine.gguf_checkpoint import find_gguf
+from kvserve.engine.gguf_checkpoint import load_tokenizer as load_gguf_tokenizer
+
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; a GGUF file's from its metadata (with its chat template)."""
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        return load_gguf_tokenizer(gguf_path)
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 

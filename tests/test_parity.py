@@ -1,7 +1,6 @@
 """The engine's greedy tokens and logprobs equal HF transformers' for the same checkpoint, on every
 scheduling path: one batch, staggered admission (prefill and decode mixed in a step), and preemption."""
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,10 +39,13 @@ def hf_reference(tiny_model):
     return build_hf_reference(tiny_model)
 
 
-def build_hf_reference(model_dir: Path) -> list:
-    """Prompts, HF `generate` greedy tokens and logprobs, and the prompt's logprobs, each prompt run alone."""
-    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+def build_hf_reference(model_dir: Path, **load_options) -> list:
+    """Prompts, HF `generate` greedy tokens and logprobs, and the prompt's logprobs, each prompt run alone.
+    `load_options` go to `from_pretrained` (a GGUF file's name: `gguf_file`)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", **load_options
+    )
+    vocab_size = model.config.vocab_size
     # Without an EOS, HF neither stops early nor masks EOS (as min_new_tokens would): like ignore_eos.
     model.generation_config.eos_token_id = None
     reference = []

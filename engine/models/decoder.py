@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from kvserve.engine.models.layers import (
+    Linear,
+    PackedLinear,
+    QuantizedEmbedding,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from kvserve.engine.models.moe import MoeConfig, SparseMoeBlock
 from kvserve.engine.models.rope import RopeConfig, RotaryEmbedding
 from kvserve.engine.parallel.group import TensorParallelGroup
@@ -195,8 +202,13 @@ class DecoderForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """With tied embeddings the LM head is the embedding matrix (again after the model is moved or allocated)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not self.config.tie_word_embeddings:
+            return
+        embedding = self.model.embed_tokens
+        if isinstance(embedding, QuantizedEmbedding):
+            self.lm_head.quantize((embedding.quantized,))
+        else:
+            self.lm_head.weight = embedding.weight
 
     def forward(
         self,

@@ -6,6 +6,10 @@ MKL's sgemm, which on the AMD EPYC machines here runs its AVX2 code (`F.linear` 
 time for every projection of the benchmark model), and the packed weight saves oneDNN a reorder each call
 (10-25% at decode batch sizes, in bfloat16 too). BENCHMARKS.md has the figures (`benchmarks/cpu_gemm.py`). The
 packed copy sits beside the weight, so on a CPU the linear layers' weights take twice their memory.
+
+A layer may instead hold a block-quantized weight (GGUF's, kernels/block_quant.py), as row segments in the order of
+its rows (the parts of a packed projection may be quantized apart, in different formats); it then has no dense
+weight at all, and the backend's `quantized_linear` computes it.
 """
 
 from typing import TYPE_CHECKING
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import KernelBackend
+from kvserve.kernels.block_quant import QuantizedWeight, dequantize
 
 if TYPE_CHECKING:
     from kvserve.engine.parallel.group import TensorParallelGroup
@@ -22,9 +27,26 @@ if TYPE_CHECKING:
 
 class Linear(nn.Linear):
     prepared: object | None = None  # the backend's own form of the weight (`prepare_weights`), if it keeps one
+    quantized: tuple[QuantizedWeight, ...] | None = None  # the weight's row segments, when it is block-quantized
 
     def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        if self.quantized is not None:
+            return backend.quantized_linear(x, self.quantized, self.bias)
         return backend.linear(x, self.weight, self.bias, self.prepared)
+
+    def quantize(self, segments: tuple[QuantizedWeight, ...]) -> None:
+        """Hold the weight as block-quantized row segments instead of a dense parameter (set before the model is
+        allocated, so the dense weight never is)."""
+        if sum(segment.out_features for segment in segments) != self.out_features or any(
+            segment.in_features != self.in_features for segment in segments
+        ):
+            raise ValueError(f"quantized weight does not fit a [{self.out_features}, {self.in_features}] layer")
+        self.quantized = segments
+        self.weight = None
+
+    def checkpoint_weight_names(self, module_name: str) -> list[str]:
+        """The checkpoint names of the tensors its weight is made of, in the order of its rows."""
+        return [f"{module_name}.weight"]
 
 
 class RowParallelLinear(Linear):
@@ -58,6 +80,20 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.group.all_reduce(vectors.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
 
+class QuantizedEmbedding(nn.Module):
+    """An embedding whose table is block-quantized: a lookup widens only the rows of the tokens asked for."""
+
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.quantized = table
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.quantized.data.index_select(0, input_ids.flatten())
+        vectors = dequantize(QuantizedWeight(self.quantized.format, rows, self.quantized.in_features))
+        return vectors.to(self.dtype).view(*input_ids.shape, -1)
+
+
 class PackedLinear(Linear):
     """Several projections of the same input computed as one GEMM (q/k/v, gate/up).
 
@@ -81,6 +117,10 @@ class PackedLinear(Linear):
                 tensors[f"{prefix}.{part}.{name}"] = parameter.narrow(0, offset, size)
                 offset += size
         return tensors
+
+    def checkpoint_weight_names(self, module_name: str) -> list[str]:
+        prefix = module_name.rpartition(".")[0]
+        return [f"{prefix}.{part}.weight" for part in self.parts]
 
     def fused_checkpoint_names(self, module_name: str) -> dict[str, list[str]]:
         """The name of each packed parameter as a fused checkpoint stores it, and the part names it stands for."""
