@@ -180,3 +180,53 @@ def test_an_unreadable_prompt_file_is_one_clear_line_and_exit_1(tmp_path):
     assert missing.returncode == malformed.returncode == 1
     assert missing.stderr.startswith(f"error: cannot read prompts from {tmp_path / 'missing.txt'}: ")
     assert malformed.stderr == f'error: {tmp_path / "prompts.jsonl"}:2: no "prompt" string\n'
+
+
+def test_a_request_the_server_dropped_unanswered_is_sent_again_once(tmp_path):
+    """A server that closes the first connection of each pair without answering (as a server dropping a kept-alive
+    connection does): every request still completes, each sent at most twice, and the run exits 0."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    arrivals = itertools.count()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:  # /v1/models and the KV scraper's /metrics
+            body = json.dumps({"data": [{"id": "m"}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if next(arrivals) % 2 == 0:
+                self.close_connection = True  # drop it, unanswered
+                return
+            chunks = [
+                {"choices": [{"index": 0, "text": "x"}]},
+                {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+            ]
+            body = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "run.json"
+        done = bench("--base-url", f"http://127.0.0.1:{server.server_port}", "--num-prompts", "3", "--random-input-len",
+                     "4", "--random-output-len", "1", "--max-concurrency", "1", "--json", str(out))  # fmt: skip
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(out.read_text())["summary"]["completed"] == 3
+    assert next(arrivals) == 6  # each of the 3 requests: dropped once, answered once

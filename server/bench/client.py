@@ -98,7 +98,7 @@ async def send_request(
     error = None
     try:
         async with asyncio.timeout(config.timeout_s):
-            error = await _stream(client, config, request, stream, run_start_s)
+            error = await _stream_resending_if_dropped(client, config, request, stream, run_start_s)
     except TimeoutError:
         error = f"no complete response within {config.timeout_s:g} s (--timeout-s)"
     except httpx.HTTPError as http_error:
@@ -122,6 +122,21 @@ class _Stream:
 
     chunk_times_s: list[float] = field(default_factory=list)
     usage: dict | None = None
+    started: bool = False  # a response's status line came
+
+
+async def _stream_resending_if_dropped(
+    client: httpx.AsyncClient, config: BenchConfig, request: BenchRequest, stream: _Stream, run_start_s: float
+) -> str | None:
+    """`_stream`, sent once more where the server closed the connection before any byte of a response: a kept-alive
+    connection the server has dropped meanwhile fails that way (llama-server drops some), and a request no server
+    began to answer is safe to send again. A stream cut after it began is an error."""
+    try:
+        return await _stream(client, config, request, stream, run_start_s)
+    except httpx.RemoteProtocolError:
+        if stream.started:
+            raise
+        return await _stream(client, config, request, stream, run_start_s)
 
 
 async def _stream(
@@ -130,6 +145,7 @@ async def _stream(
     """Read one response into `stream`; the error message, or None when it ended well."""
     body = request_body(config, request)
     async with client.stream("POST", config.request_url, json=body, headers=config.headers) as response:
+        stream.started = True
         if response.status_code != 200:
             await response.aread()
             return f"HTTP {response.status_code}: {server_message(response)}"
