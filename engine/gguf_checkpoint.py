@@ -21,7 +21,16 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from kvserve.kernels.block_quant import FORMATS, BlockQuantError, QuantizedWeight
+from kvserve.engine.models.layers import Linear, QuantizedEmbedding
+from kvserve.engine.parallel.sharding import ShardPlan, TensorParallelError
+from kvserve.kernels.block_quant import (
+    FORMATS,
+    BlockQuantError,
+    QuantizedWeight,
+    concat_rows,
+    dequantize,
+    padded_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +120,6 @@ class GgufTensor:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The values as a `dtype` tensor of `shape` (norms, biases and float32 weights)."""
-        from kvserve.kernels.block_quant import dequantize
-
         rows = self.data.reshape(-1, self.data.shape[-1])
         return dequantize(QuantizedWeight(FORMATS[self.format], rows, self.shape[-1])).reshape(self.shape).to(dtype)
 
@@ -208,15 +215,18 @@ def hf_row_order(data: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def quantize_layers(model, file: GgufFile) -> None:
     """Give every linear layer whose tensors the file quantizes (anything but F32) those tensors, and the embedding
-    its table if quantized, before the model is allocated: those layers never get a dense weight."""
-    from kvserve.engine.models.layers import Linear, QuantizedEmbedding
-
+    its table if quantized, before the model is allocated: those layers never get a dense weight. With tensor
+    parallelism, this rank's slice of each, as `ShardPlan` gives it (column-parallel ones by rows, row-parallel
+    ones by whole blocks of columns; a slice that would cut a block is refused)."""
     names = file.tensor_names(model.config.num_layers)
-    tied = model.config.tie_word_embeddings
+    plan, tied = model.plan, model.config.tie_word_embeddings
     embedding_name = _required(names, "model.embed_tokens.weight")
     if file.format_of(embedding_name) != "f32":
-        table = file.take(embedding_name).quantized()
-        model.model.embed_tokens = QuantizedEmbedding(table, model.lm_head.weight.dtype)
+        table = _rank_slice(file.take(embedding_name).quantized(), plan, "model.embed_tokens.weight")
+        if plan.size > 1:
+            table = padded_rows(table, plan.vocab_rows)
+        dtype = model.lm_head.weight.dtype
+        model.model.embed_tokens = QuantizedEmbedding(table, dtype, plan.first_vocab_row, model.group)
     for module_name, module in model.named_modules():
         if not isinstance(module, Linear) or (tied and module is model.lm_head):
             continue
@@ -228,25 +238,32 @@ def quantize_layers(model, file: GgufFile) -> None:
         for hf_name, name in zip(hf_names, stored, strict=True):
             weight = file.take(name).quantized()
             if names.reorders_rows(hf_name):
-                weight = QuantizedWeight(
-                    weight.format,
-                    hf_row_order(weight.data, weight.out_features // model.config.head_dim),
-                    weight.in_features,
-                )
-            segments.append(weight)
+                data = hf_row_order(weight.data, weight.out_features // model.config.head_dim)
+                weight = QuantizedWeight(weight.format, data, weight.in_features)
+            segments.append(_rank_slice(weight, plan, hf_name))
+        if module is model.lm_head and plan.size > 1:  # the last rank's vocabulary padding rows
+            segments[-1] = padded_rows(segments[-1], module.out_features)
         module.quantize(_merged(segments))
     model.tie_weights()
 
 
 def load_dense_weights(model, file: GgufFile, destinations: dict[str, torch.Tensor]) -> None:
     """Fill the model's dense parameters (`destinations`: checkpoint name to tensor, after allocation) from the
-    file's tensors, widened to the model's dtype."""
-    names = file.tensor_names(model.config.num_layers)
+    file's tensors, widened to the model's dtype; with tensor parallelism, this rank's slices (what no slice fills
+    stays as allocated: zero)."""
+    names, plan = file.tensor_names(model.config.num_layers), model.plan
     with torch.no_grad():
         for hf_name, destination in destinations.items():
+            if plan.zero_on_this_rank(hf_name):
+                continue
             tensor = file.take(_required(names, hf_name)).dense(destination.dtype)
             if names.reorders_rows(hf_name):
                 tensor = hf_row_order(tensor, tensor.shape[0] // model.config.head_dim)
+            part = plan.checkpoint_slice(hf_name)
+            if part is not None:
+                tensor = tensor.narrow(part.dim, part.start, part.length)
+                if part.dim == 0 and part.length < destination.shape[0]:
+                    destination = destination[: part.length]  # the vocabulary's padding rows stay zero
             if tensor.shape != destination.shape:
                 raise GgufError(
                     f"{file.path.name}: {hf_name} has shape {list(tensor.shape)}, expected {list(destination.shape)}"
@@ -254,10 +271,41 @@ def load_dense_weights(model, file: GgufFile, destinations: dict[str, torch.Tens
             destination.copy_(tensor)
 
 
+# The GGUF names of the row-parallel projections, split across ranks along their rows' values.
+_ROW_PARALLEL = ("attn_output.weight", "ffn_down.weight")
+
+
+def check_splits_blocks(path: Path, size: int) -> None:
+    """`TensorParallelError` naming the first row-parallel tensor whose share of each row, over `size` ranks, is not
+    whole blocks of its type (a Q4_K row of 4864 values has 19 blocks of 256: two ranks cannot split it)."""
+    file = GgufFile(path)
+    for tensor in file.reader.tensors:
+        block = FORMATS[FORMAT_OF_TYPE[tensor.tensor_type]].block_size
+        row = int(tensor.shape[0])  # GGML lists the columns first
+        if tensor.name.endswith(_ROW_PARALLEL) and (row % size or (row // size) % block):
+            raise TensorParallelError(
+                f"tensor_parallel_size {size} does not split {tensor.name} of {path.name}: rows of {row} values in "
+                f"{tensor.tensor_type.name} blocks of {block} do not divide into {size} whole-block shares"
+            )
+
+
+def _rank_slice(weight: QuantizedWeight, plan: ShardPlan, hf_name: str) -> QuantizedWeight:
+    part = plan.checkpoint_slice(hf_name)
+    if part is None:
+        return weight
+    if part.dim == 0:  # a copy: a view would keep the whole tensor's bytes alive on every rank
+        rows = weight.rows(part.start, part.length)
+        return QuantizedWeight(rows.format, rows.data.clone(), rows.in_features)
+    try:
+        return weight.columns(part.start, part.length)
+    except BlockQuantError as error:
+        raise TensorParallelError(
+            f"tensor_parallel_size {plan.size} splits {hf_name} inside its {weight.format.name} blocks ({error})"
+        ) from None
+
+
 def log_loaded(model, file: GgufFile) -> None:
     """The start-up log's line on the file: its format, tensor types and the bytes the weights take."""
-    from kvserve.engine.models.layers import Linear, QuantizedEmbedding
-
     held = {parameter.data_ptr(): parameter.nbytes for parameter in model.parameters()}
     for module in model.modules():
         if isinstance(module, Linear) and module.quantized is not None:
@@ -280,8 +328,6 @@ def _required(names: TensorNames, hf_name: str) -> str:
 
 def _merged(segments: list[QuantizedWeight]) -> tuple[QuantizedWeight, ...]:
     """Neighbouring segments of one format as one (one kernel call for q, k and v when they share it)."""
-    from kvserve.kernels.block_quant import concat_rows
-
     runs: list[list[QuantizedWeight]] = []
     for segment in segments:
         if runs and runs[-1][0].format == segment.format:

@@ -61,8 +61,6 @@ def load_model(
     hf_config = _hf_config(model_dir)
     architecture = architecture_of(hf_config)
     config = architecture.build_config(hf_config)
-    if gguf_path is not None and group is not None:
-        raise TensorParallelError("tensor parallelism over a GGUF file's weights is not supported yet")
     plan = ShardPlan.of(config, group.rank, group.size) if group is not None else ShardPlan(config)
     with torch.device("meta"):
         model = architecture.model_class(config, plan, group).to(dtype)

@@ -98,6 +98,12 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, self.data[:, first : first + count].contiguous(), length)
 
 
+def padded_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """The weight with zero rows after its own up to `rows` (all-zero bytes are zero values in every format)."""
+    padding = torch.zeros(rows - weight.out_features, weight.data.shape[1], dtype=torch.uint8)
+    return QuantizedWeight(weight.format, torch.cat([weight.data, padding]), weight.in_features)
+
+
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight of all rows, in order (the parts of a packed projection that share a format)."""
     first = weights[0]

@@ -20,6 +20,7 @@ import torch
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.gguf_checkpoint import GgufError, GgufFile
 from kvserve.engine.models.layers import Linear, QuantizedEmbedding
+from kvserve.engine.parallel.sharding import TensorParallelError
 from kvserve.engine.tokenizer import load_tokenizer
 from kvserve.testing.tiny_checkpoint import CHAT_TEMPLATE
 from tests.test_parity import (
@@ -236,3 +237,20 @@ def test_kvserve_serve_refuses_an_unsupported_gguf_file_with_one_line(tmp_path):
     assert done.returncode == 2
     errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Q4_1" in errors[0], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", ["qwen2-q8_0.gguf", "qwen2-mixed.gguf", "qwen3-q8_0.gguf"])
+def test_two_ranks_give_hf_tokens_batched_chunked_and_preempting(name):
+    """Each rank holds its rows of the column-parallel weights and whole blocks of the row-parallel ones' rows."""
+    path = GGUF_DIR / name
+    reference = build_hf_reference(path.parent, gguf_file=path.name)
+    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 20, "kv_cache_memory_bytes": 5 * kv_block_bytes(path)}
+    with LLM(str(path), tensor_parallel_size=2, **settings) as llm:
+        assert llm.engine.core.model.plan.size == 2
+        assert_matches_hf(llm, reference, "chunked_preempting")
+
+
+def test_a_split_through_quantized_blocks_is_refused_before_any_rank_starts():
+    """The Q4_K_M file's attn_output rows are 256 values, one Q4_K block: two ranks cannot share it."""
+    with pytest.raises(TensorParallelError, match=r"does not split blk\.0\.attn_output\.weight of qwen2-q4_k_m\.gguf"):
+        LLM(str(GGUF_DIR / "qwen2-q4_k_m.gguf"), tensor_parallel_size=2)

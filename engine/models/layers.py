@@ -81,17 +81,28 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding whose table is block-quantized: a lookup widens only the rows of the tokens asked for."""
+    """An embedding whose table is block-quantized: a lookup widens only the rows of the tokens asked for. With a
+    tensor-parallel `group` it holds rows [first_row, first_row + its real rows) of the vocabulary, as
+    `VocabParallelEmbedding` does."""
 
-    def __init__(self, table: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(
+        self, table: QuantizedWeight, dtype: torch.dtype, first_row: int = 0,
+        group: "TensorParallelGroup | None" = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.quantized = table
         self.dtype = dtype
+        self.first_row, self.group = first_row, group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.quantized.data.index_select(0, input_ids.flatten())
-        vectors = dequantize(QuantizedWeight(self.quantized.format, rows, self.quantized.in_features))
-        return vectors.to(self.dtype).view(*input_ids.shape, -1)
+        local_ids = input_ids.flatten() - self.first_row
+        elsewhere = (local_ids < 0) | (local_ids >= self.quantized.out_features)
+        rows = self.quantized.data.index_select(0, local_ids.masked_fill(elsewhere, 0))
+        vectors = dequantize(QuantizedWeight(self.quantized.format, rows, self.quantized.in_features)).to(self.dtype)
+        if self.group is None:
+            return vectors.view(*input_ids.shape, -1)
+        vectors.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.group.all_reduce(vectors).view(*input_ids.shape, -1)
 
 
 class PackedLinear(Linear):
