@@ -298,10 +298,13 @@ void widen_row(const uint8_t* row, int64_t in_features, float* out) {
   }
 }
 
-// sums[j][r] = widened weight row j (of WeightRows, a row every in_features floats) times x's row r (of Rows): a
-// register tile of WeightRows x Rows sums, each weight and input vector loaded once for all the sums it enters.
+// The register tile of the many-rows path: 4 widened weight rows by 3 input rows, 12 sums, with the 4 weight vectors
+// and one input vector of a step that is all 16 AVX2 registers; each vector is loaded once for all the sums it enters.
+constexpr int64_t kWeightTile = 4, kInputTile = 3;
+
+// sums[j][r] = widened weight row j (of WeightRows, a row every in_features floats) times x's row r (of Rows).
 template <int64_t WeightRows, int64_t Rows>
-inline void tile_sums(const float* w, const float* x, int64_t in_features, float sums[2][kTileRows]) {
+inline void tile_sums(const float* w, const float* x, int64_t in_features, float sums[kWeightTile][kInputTile]) {
   Float8 acc[WeightRows][Rows] = {};
   for (int64_t k = 0; k < in_features; k += 8) {
     Float8 weights[WeightRows];
@@ -320,18 +323,28 @@ inline void tile_sums(const float* w, const float* x, int64_t in_features, float
 }
 
 template <int64_t WeightRows>
-inline void tile_sums(const float* w, const float* x, int64_t in_features, int64_t rows, float sums[2][kTileRows]) {
+inline void tile_sums(const float* w, const float* x, int64_t in_features, int64_t rows,
+                      float sums[kWeightTile][kInputTile]) {
   switch (rows) {
     case 1: return tile_sums<WeightRows, 1>(w, x, in_features, sums);
     case 2: return tile_sums<WeightRows, 2>(w, x, in_features, sums);
-    case 3: return tile_sums<WeightRows, 3>(w, x, in_features, sums);
-    default: return tile_sums<WeightRows, 4>(w, x, in_features, sums);
+    default: return tile_sums<WeightRows, 3>(w, x, in_features, sums);
+  }
+}
+
+inline void tile_sums(const float* w, const float* x, int64_t in_features, int64_t weight_rows, int64_t rows,
+                      float sums[kWeightTile][kInputTile]) {
+  switch (weight_rows) {
+    case 1: return tile_sums<1>(w, x, in_features, rows, sums);
+    case 2: return tile_sums<2>(w, x, in_features, rows, sums);
+    case 3: return tile_sums<3>(w, x, in_features, rows, sums);
+    default: return tile_sums<4>(w, x, in_features, rows, sums);
   }
 }
 
 // out [rows, out_features] (any row stride) = x [rows, in_features] @ widened(data).T, all in float32. Up to
-// kTileRows input rows, each weight block is widened in registers and used at once. Past that, a pair of weight rows
-// at a time is widened into a buffer that stays in L1 and multiplied by tiles of input rows there.
+// kTileRows input rows, each weight block is widened in registers and used at once. Past that, kWeightTile weight rows
+// at a time are widened into a buffer that stays in cache and multiplied by tiles of input rows there.
 template <int64_t Format, typename scalar_t>
 void fused_rows(const at::Tensor& out, const float* x, int64_t num_rows, const at::Tensor& data, int64_t in_features) {
   const int64_t row_bytes = data.size(1), out_stride = out.stride(0);
@@ -354,22 +367,17 @@ void fused_rows(const at::Tensor& out, const float* x, int64_t num_rows, const a
     return;
   }
   at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(2 * in_features);
-    float sums[2][kTileRows];
-    for (int64_t n = begin; n < end; n += 2) {
-      const int64_t pair = std::min<int64_t>(2, end - n);
-      for (int64_t j = 0; j < pair; ++j) {
+    std::vector<float> widened(kWeightTile * in_features);
+    float sums[kWeightTile][kInputTile];
+    for (int64_t n = begin; n < end; n += kWeightTile) {
+      const int64_t weight_rows = std::min(kWeightTile, end - n);
+      for (int64_t j = 0; j < weight_rows; ++j) {
         widen_row<Format>(weight + (n + j) * row_bytes, in_features, widened.data() + j * in_features);
       }
-      for (int64_t first = 0; first < num_rows; first += kTileRows) {
-        const int64_t rows = std::min(kTileRows, num_rows - first);
-        const float* x_tile = x + first * in_features;
-        if (pair == 2) {
-          tile_sums<2>(widened.data(), x_tile, in_features, rows, sums);
-        } else {
-          tile_sums<1>(widened.data(), x_tile, in_features, rows, sums);
-        }
-        for (int64_t j = 0; j < pair; ++j) {
+      for (int64_t first = 0; first < num_rows; first += kInputTile) {
+        const int64_t rows = std::min(kInputTile, num_rows - first);
+        tile_sums(widened.data(), x + first * in_features, in_features, weight_rows, rows, sums);
+        for (int64_t j = 0; j < weight_rows; ++j) {
           for (int64_t r = 0; r < rows; ++r) {
             out_data[(first + r) * out_stride + n + j] = static_cast<scalar_t>(sums[j][r]);
           }
