@@ -2,9 +2,9 @@
 
 Decode and extend attention over bf16 and int8 caches (block 16, 32 query / 8 KV heads, head_dim 64
 and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact: its divisions are
-IEEE-rounded, as torch's are), and the fused layer ops at Llama-3-8B sizes (hidden 4096, MLP 14336,
-head_dim 128). Each line prints the largest difference and the bound it is held to; the script exits
-1 if any exceeds it.
+IEEE-rounded, as torch's are), the fused layer ops at Llama-3-8B sizes (hidden 4096, MLP 14336,
+head_dim 128), and GGUF's block formats through the torch path at Llama-3-8B's MLP shape (with their times).
+Each line prints the largest difference and the bound it is held to; the script exits 1 if any exceeds it.
 
     python -m benchmarks.gpu_kernel_check           # CUDA
     python -m benchmarks.gpu_kernel_check --smoke   # small shapes in Triton's interpreter on a CPU
@@ -129,6 +129,45 @@ def check_layer_ops(checker, device, smoke) -> None:
     checker.report("rotary key", (actual_k.float() - expected_k.float()).abs().max().item(), bound)
 
 
+def check_block_quant(checker, device, smoke) -> None:
+    """GGUF's block formats through the torch path (what a GPU runs them on until Triton kernels exist) against the
+    CPU reference, each output within 1e-5 of the sum of its products' magnitudes (float32 sums in another order;
+    TF32 is off for float32 matmuls by default), and its time per call at 1 and 32 rows."""
+    from kvserve.kernels.block_quant import QuantizedWeight, chunked_quantized_linear, dequantize, quantized_linear
+    from tests.test_block_quant import random_weight
+
+    out_features, in_features = (300, 512) if smoke else (14336, 4096)
+    for name in ("q8_0", "q4_0", "q5_0", "q4_k", "q6_k"):
+        weight = random_weight(name, out_features, in_features)
+        on_device = QuantizedWeight(weight.format, weight.data.to(device), in_features)
+        for rows in (1, 32):
+            x = torch.randn(rows, in_features)
+            expected = quantized_linear(x, (weight,), None)
+            actual = chunked_quantized_linear(x.to(device), (on_device,), None).cpu()
+            magnitudes = x.abs() @ dequantize(weight).abs().T
+            excess = ((actual - expected).abs() - 1e-5 * magnitudes).max().item()
+            checker.report(f"block-quantized {name} linear, {rows} rows (excess over the bound)", max(excess, 0.0), 0.0)
+            if device.type == "cuda":
+                milliseconds = time_ms(on_device, x.to(device))
+                print(f"     {name} {rows} rows [{out_features}, {in_features}]: {milliseconds:.3f} ms per call")
+
+
+def time_ms(weight, x) -> float:
+    """Median milliseconds of 20 calls of the torch path after 3, by CUDA events."""
+    from kvserve.kernels.block_quant import chunked_quantized_linear
+
+    times = []
+    for index in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        chunked_quantized_linear(x, (weight,), None)
+        end.record()
+        torch.cuda.synchronize()
+        if index >= 3:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small shapes, to check the script on a CPU")
@@ -147,6 +186,7 @@ def main() -> None:
     for head_dim in (64, 128):
         check_store(checker, device, head_dim)
     check_layer_ops(checker, device, args.smoke)
+    check_block_quant(checker, device, args.smoke)
     print(f"{checker.failures} failures")
     sys.exit(1 if checker.failures else 0)
 
