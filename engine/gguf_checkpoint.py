@@ -98,8 +98,15 @@ def _hf_config(path: Path, mtime_ns: int):
 
 @functools.lru_cache(maxsize=4)
 def _reader(path: Path, mtime_ns: int) -> gguf.GGUFReader:
-    """The `gguf` package's reader of the file (it maps the file and parses its metadata and tensor index)."""
+    """The `gguf` package's reader of the file (it maps the file and parses its metadata and tensor index), shared
+    by start-up's steps until `release_readers`."""
     return gguf.GGUFReader(path)
+
+
+def release_readers() -> None:
+    """Drop the readers once the weights are copied out: each maps its whole file (pages read stay resident while
+    it is mapped) and holds the metadata parsed into many small arrays."""
+    _reader.cache_clear()
 
 
 def load_tokenizer(path: Path):

@@ -14,7 +14,14 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from kvserve.engine.gguf_checkpoint import GgufFile, find_gguf, load_dense_weights, log_loaded, quantize_layers
+from kvserve.engine.gguf_checkpoint import (
+    GgufFile,
+    find_gguf,
+    load_dense_weights,
+    log_loaded,
+    quantize_layers,
+    release_readers,
+)
 from kvserve.engine.gguf_checkpoint import hf_config as gguf_hf_config
 from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, architecture_of, decoder_config_from_hf
 from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm
@@ -81,6 +88,8 @@ def load_model(
     if gguf_file is not None:
         load_dense_weights(model, gguf_file, checkpoint_destinations(model))
         log_loaded(model, gguf_file)
+        del gguf_file
+        release_readers()
     else:
         _load_weights(model, _safetensors_files(model_dir))
     if config.norm_weight_offset:

@@ -22,6 +22,7 @@ from kvserve.engine.gguf_checkpoint import GgufError, GgufFile
 from kvserve.engine.models.layers import Linear, QuantizedEmbedding
 from kvserve.engine.parallel.sharding import TensorParallelError
 from kvserve.engine.tokenizer import load_tokenizer
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.testing.tiny_checkpoint import CHAT_TEMPLATE
 from tests.test_parity import (
     NUM_NEW_TOKENS,
@@ -254,3 +255,17 @@ def test_a_split_through_quantized_blocks_is_refused_before_any_rank_starts():
     """The Q4_K_M file's attn_output rows are 256 values, one Q4_K block: two ranks cannot share it."""
     with pytest.raises(TensorParallelError, match=r"does not split blk\.0\.attn_output\.weight of qwen2-q4_k_m\.gguf"):
         LLM(str(GGUF_DIR / "qwen2-q4_k_m.gguf"), tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(not load_cpu_kernels(), reason="the eager replay reads device buffers only with the C++ kernels")
+def test_decode_graphs_replayed_over_quantized_weights_give_hf_tokens(hf_reference, gguf_file):
+    """The decode ladder captured over the quantized layers (replayed eagerly here, as CUDA graphs on GPUs): padded
+    batches run the same kernels on the same bytes, and the tokens are HF's."""
+    with LLM(str(gguf_file), eager_graph_replay=True, max_num_seqs=4) as llm:
+        graphs = llm.engine.core.runner.worker.decode_graphs
+        replays = []
+        for size, graph in graphs.graphs.items():
+            replay = graph.replay
+            graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+        assert_matches_hf(llm, hf_reference, "staggered")
+    assert replays
