@@ -3,9 +3,10 @@
 // sequence over the sequence's blocks, for every sequence of a step in one call.
 //
 // Decode reads each cached key and value once and uses it for every query head of its group. Work
-// items are sequences, handed out dynamically to torch's own OpenMP threads (torch ships
-// libgomp.so.1, so this library binds to the same runtime, not a second one): contexts differ in
-// length, and a static split would leave one core idle.
+// items are sequences (or, with fewer sequences than threads, a sequence's KV heads), handed out
+// dynamically to torch's own OpenMP threads (torch ships libgomp.so.1, so this library binds to the
+// same runtime, not a second one): contexts differ in length, and a static split would leave one
+// core idle.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -85,59 +86,67 @@ void decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int64_t table_stride = block_tables.stride(0);
   const float score_scale = static_cast<float>(scale);
 
-  // One work item per sequence: its blocks hold every KV head of a token side by side, so reading
-  // them all in one pass walks each block front to back.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+  // One work item per sequence: its blocks hold every KV head of a token side by side, so reading them all in one
+  // pass walks each block front to back. With fewer sequences than threads (a single user), one per sequence and
+  // KV head instead, so every thread has a share (a lone sequence took one of two cores).
+  const int64_t threads = at::get_num_threads();
+  const int64_t head_parts = num_seqs < threads ? num_kv_heads : 1;
+  const int64_t kv_heads_per_item = num_kv_heads / head_parts;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < num_seqs * head_parts; ++item) {
+    const int64_t seq = item / head_parts;
+    const int64_t kv_first = item % head_parts * kv_heads_per_item, kv_end = kv_first + kv_heads_per_item;
+    const int64_t h_first = kv_first * group, heads = kv_heads_per_item * group;
     const int64_t seq_len = lens[seq];
     const int32_t* table = tables + seq * table_stride;
-    std::vector<float> q(num_heads * head_dim), scores(num_heads * seq_len), acc(num_heads * head_dim, 0.f);
-    std::vector<float> row_max(num_heads, -std::numeric_limits<float>::infinity()), row_sum(num_heads, 0.f);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* row = q_base + seq * query.stride(0) + h * query.stride(1);
-      for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = to_float(row[d]);
+    // Rows of q, scores and acc are this item's heads, h - h_first.
+    std::vector<float> q(heads * head_dim), scores(heads * seq_len), acc(heads * head_dim, 0.f);
+    std::vector<float> row_max(heads, -std::numeric_limits<float>::infinity()), row_sum(heads, 0.f);
+    for (int64_t i = 0; i < heads; ++i) {
+      const scalar_t* row = q_base + seq * query.stride(0) + (h_first + i) * query.stride(1);
+      for (int64_t d = 0; d < head_dim; ++d) q[i * head_dim + d] = to_float(row[d]);
     }
     for (int64_t t = 0; t < seq_len; ++t) {
       if (t % keys.block_size == 0) prefetch_block(k_base, keys, table, t + keys.block_size, seq_len);
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      for (int64_t kv_head = kv_first; kv_head < kv_end; ++kv_head) {
         const cache_t* k = k_base + keys.offset(table, t, kv_head);
         const float k_scale = key_scale ? key_scale[scales.offset(table, t, kv_head)] : 1.f;
-        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-          const float s = dot(q.data() + h * head_dim, k, head_dim) * score_scale * k_scale;
-          scores[h * seq_len + t] = s;
-          row_max[h] = std::max(row_max[h], s);
+        for (int64_t i = kv_head * group - h_first; i < (kv_head + 1) * group - h_first; ++i) {
+          const float s = dot(q.data() + i * head_dim, k, head_dim) * score_scale * k_scale;
+          scores[i * seq_len + t] = s;
+          row_max[i] = std::max(row_max[i], s);
         }
       }
     }
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* s = scores.data() + h * seq_len;
+    for (int64_t i = 0; i < heads; ++i) {
+      float* s = scores.data() + i * seq_len;
       FloatVec vec_sum = {};
       int64_t t = 0;
       for (; t + kLanes <= seq_len; t += kLanes) {
-        const FloatVec e = exp_nonpositive(load(s + t) - row_max[h]);
+        const FloatVec e = exp_nonpositive(load(s + t) - row_max[i]);
         std::memcpy(s + t, &e, sizeof e);
         vec_sum += e;
       }
       float sum = horizontal_sum(vec_sum);
       for (; t < seq_len; ++t) {
-        s[t] = std::exp(s[t] - row_max[h]);
+        s[t] = std::exp(s[t] - row_max[i]);
         sum += s[t];
       }
-      row_sum[h] = sum;
+      row_sum[i] = sum;
     }
     for (int64_t t = 0; t < seq_len; ++t) {
       if (t % values.block_size == 0) prefetch_block(v_base, values, table, t + values.block_size, seq_len);
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      for (int64_t kv_head = kv_first; kv_head < kv_end; ++kv_head) {
         const cache_t* v = v_base + values.offset(table, t, kv_head);
         const float v_scale = value_scale ? value_scale[scales.offset(table, t, kv_head)] : 1.f;
-        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-          add_scaled(scores[h * seq_len + t] * v_scale, v, acc.data() + h * head_dim, head_dim);
+        for (int64_t i = kv_head * group - h_first; i < (kv_head + 1) * group - h_first; ++i) {
+          add_scaled(scores[i * seq_len + t] * v_scale, v, acc.data() + i * head_dim, head_dim);
         }
       }
     }
-    for (int64_t h = 0; h < num_heads; ++h) {
-      scalar_t* row = out_base + seq * out.stride(0) + h * out.stride(1);
-      for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<scalar_t>(acc[h * head_dim + d] / row_sum[h]);
+    for (int64_t i = 0; i < heads; ++i) {
+      scalar_t* row = out_base + seq * out.stride(0) + (h_first + i) * out.stride(1);
+      for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<scalar_t>(acc[i * head_dim + d] / row_sum[i]);
     }
   }
 }
