@@ -209,15 +209,16 @@ class TensorNames:
 
     def reorders_rows(self, hf_name: str) -> bool:
         """Whether the converter interleaved this tensor's rows for llama.cpp's rotary embedding."""
-        return self.file.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+        return self.file.architecture == "llama" and hf_name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        )
 
 
 def hf_row_order(data: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's converter's reordering of a q or k projection's rows: within each head it interleaves the
-    rows of the two halves that rotate together; HF keeps the halves apart."""
-    rows = data.shape[0]
-    half = rows // num_heads // 2
-    return data.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
+    """Undo llama.cpp's converter's reordering of a q or k projection's rows (or bias): within each head it
+    interleaves the rows of the two halves that rotate together; HF keeps the halves apart."""
+    half = data.shape[0] // num_heads // 2
+    return data.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(data.shape).contiguous()
 
 
 def quantize_layers(model, file: GgufFile) -> None:

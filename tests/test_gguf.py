@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.gguf_checkpoint import GgufError, GgufFile
+from kvserve.engine.gguf_checkpoint import GgufError, GgufFile, hf_row_order
 from kvserve.engine.models.layers import Linear, QuantizedEmbedding
 from kvserve.engine.parallel.sharding import TensorParallelError
 from kvserve.engine.tokenizer import load_tokenizer
@@ -269,3 +269,16 @@ def test_decode_graphs_replayed_over_quantized_weights_give_hf_tokens(hf_referen
             graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
         assert_matches_hf(llm, hf_reference, "staggered")
     assert replays
+
+
+def test_llama_rows_are_put_back_for_weights_and_biases():
+    """llama.cpp's converter interleaves each head's two rotary halves in q and k, biases too (the llama file above
+    covers weights end to end); the loader's reordering is its inverse on both shapes."""
+
+    def interleaved(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:  # the converter's reordering
+        shape = tensor.shape
+        return tensor.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+    weight, bias = torch.randn(16, 8), torch.randn(16)
+    assert torch.equal(hf_row_order(interleaved(weight, 2), 2), weight)
+    assert torch.equal(hf_row_order(interleaved(bias, 4), 4), bias)
