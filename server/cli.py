@@ -62,13 +62,17 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: built-in model)")
+    serve.add_argument(
+        "model", nargs="?", default=None, help="HF checkpoint directory or GGUF file (default: built-in model)"
+    )
     serve.add_argument("--config", default=None, help="YAML settings file (flags and KVSERVE_* env override it)")
     if argv[:1] == ["serve"]:  # its flags come from the engine's settings: other commands need not import torch
         _add_settings_flags(serve)
 
     generate = commands.add_parser("generate", help="generate offline from prompts and print text and tokens/s")
-    generate.add_argument("model", nargs="?", default=None, help="HF checkpoint directory (default: built-in model)")
+    generate.add_argument(
+        "model", nargs="?", default=None, help="HF checkpoint directory or GGUF file (default: built-in model)"
+    )
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few demo prompts)")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=1.0)
