@@ -1,5 +1,5 @@
 """The CPU backend: oneDNN GEMMs on weights packed at load time (linear layers and experts), the C++ kernels (KV
-store, decode attention, fused layer ops), torch SDPA for prompt chunks."""
+store, decode attention, fused layer ops, block-quantized linear layers), torch SDPA for prompt chunks."""
 
 from dataclasses import dataclass
 
@@ -10,8 +10,9 @@ from kvserve.kernels import onednn, torch_moe, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.paged_kv import PagedKV
 
-# Rows of input up to which a block-quantized linear layer runs the fused kernel (one pass over the weight); past
-# them, widened chunks of the weight and a GEMM (kernels/csrc/cpu_block_quant.cpp).
+# Rows of input up to which a block-quantized linear layer widens its blocks in registers or a register tile; past
+# them, widened chunks of the weight and a GEMM (kernels/csrc/cpu_block_quant.cpp), which measured faster from 128
+# rows at the Qwen2-0.5B shapes (BENCHMARKS.md, issue 28).
 MAX_FUSED_ROWS = 64
 
 

@@ -1,10 +1,11 @@
 // Linear layers over block-quantized weights (GGML's block layouts, described in kernels/block_quant.py beside
-// their torch reference). The weight stays in its bytes: each block is widened to float32 in a small buffer that
-// stays in L1, used at once by every row of the input, and dropped; no copy of the whole weight is ever made.
+// their torch reference). The weight stays in its bytes; no copy of the whole weight is ever made. All sums are
+// float32, as HF computes a dequantized GGUF model.
 //
-// Few input rows (decode): one pass over the weight, each output computed as a float32 dot product of the widened
-// blocks and the input row. Many rows (prompt chunks): a chunk of the weight's rows is widened into a scratch
-// buffer and multiplied by a GEMM, chunk after chunk, so the widening is paid once per step, not once per row.
+// Up to 4 input rows (decode of a few requests): each block is widened in registers and used at once by every row,
+// one pass over the weight (bandwidth-bound). Up to the caller's limit (64 in the CPU backend): 4 weight rows at a
+// time are widened into a buffer that stays in cache and multiplied by 3 input rows at a time in a register tile.
+// Past it (prompt chunks): 256 weight rows at a time are widened into a scratch buffer and multiplied by a GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
