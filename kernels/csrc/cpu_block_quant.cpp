@@ -49,7 +49,6 @@ inline void q4_k_scale_min(const uint8_t* packed, int j, float* scale, float* mi
   }
 }
 
-
 // The fused path works in 8-float vectors, one AVX2 register (half of one with AVX-512): arrays of wider generic
 // vectors than the machine's registers are kept in memory by GCC, and the sums of a tile must stay in registers.
 typedef float Float8 __attribute__((vector_size(8 * sizeof(float))));
@@ -71,30 +70,22 @@ inline Float8 load8(const float* p) { return vector_at<Float8>(p); }
 // Bytes to floats. GCC turns __builtin_convertvector from 8 bytes into 8 scalar conversions; AVX2 widens them in two
 // instructions, so it is asked for by name where the machine has it.
 #if defined(__AVX2__) && defined(__F16C__)
-inline Float8 widen8(Uint8x8 v) {
-  int64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits)));
-}
-
 inline Float8 widen8_signed(const uint8_t* p) {
   return (Float8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 bytes as floats: bytes 0-7, then 8-15.
+inline void widen16(__m128i bytes, Float8 out[2]) {
+  out[0] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  out[1] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
 }
 
 // The nibbles of 16 bytes as floats: low nibbles of bytes 0-7 and 8-15, then high nibbles of bytes 0-7 and 8-15.
 inline void nibbles16(const uint8_t* p, Float8 out[4]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  out[0] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-  out[1] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-  out[2] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-  out[3] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-}
-
-inline void widen16(__m128i bytes, Float8 out[2]) {
-  out[0] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-  out[1] = (Float8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  widen16(_mm_and_si128(bytes, mask), out);
+  widen16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), out + 2);
 }
 
 // q6_k's 6-bit quants of 16 lanes l from bytes a (low nibbles of quants 0 and 2), b (of 1 and 3) and h (two high
@@ -143,7 +134,6 @@ inline void nibbles16(const uint8_t* p, Float8 out[4]) {
     out[2 + half] = __builtin_convertvector(v >> 4, Float8);
   }
 }
-inline Float8 widen8(Uint8x8 v) { return __builtin_convertvector(v, Float8); }
 inline Float8 widen8_signed(const uint8_t* p) { return __builtin_convertvector(vector_at<Int8x8>(p), Float8); }
 inline Float8 bfloat16_8(const uint8_t* p) {
   const Uint32x8 bits = __builtin_convertvector(vector_at<Uint16x8>(p), Uint32x8) << 16;
