@@ -20,8 +20,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # kvserve's code imports as kvserve.<package>. The GPU image cannot install it (no network, no build of it), so a
-# folder of links puts this checkout on the path under that name; the checkout itself is on it for tests.* and
-# benchmarks.*.
+# folder of links puts this checkout on the path under that name, beside tests/ and benchmarks/. The checkout
+# itself stays off the path (PYTHONSAFEPATH: not even as the working folder of `python -m`): its folders would
+# shadow installed packages of the same top-level name, such as Hugging Face's `kernels`, which transformers imports.
 dry_run=0
 [ "${1:-}" = "--dry-run" ] && dry_run=1
 python=${PYTHON:-python3}
@@ -29,7 +30,9 @@ link_dir=$(mktemp -d)
 trap 'rm -rf "$link_dir"' EXIT
 mkdir "$link_dir/kvserve"
 for package in server engine scheduler kvcache kernels testing; do ln -s "$PWD/$package" "$link_dir/kvserve/$package"; done
-export PYTHONPATH="$link_dir:$link_dir/wheels:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+ln -s "$PWD/tests" "$link_dir/tests"
+ln -s "$PWD/benchmarks" "$link_dir/benchmarks"
+export PYTHONPATH="$link_dir:$link_dir/wheels${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 smoke=()
 wheels_dir=${GPU_WHEELS:-gpu_wheels}
 if [ "$dry_run" -eq 1 ]; then

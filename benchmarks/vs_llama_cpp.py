@@ -81,8 +81,9 @@ def run_served(engine: str, llama_cpp: Path, model: Path, tokenizer: Path, log_d
         with serving(process, url):
             for concurrency, prompts in CONCURRENCY_PROMPTS.items():
                 out = log_dir / f"{engine}-{model.stem}-{concurrency}-{int(time.time() * 1000)}.json"
-                client = [sys.executable, "-m", "kvserve.server.cli", "bench", "--base-url", url, "--model", "bench",
-                          "--num-prompts", str(prompts), "--random-input-len", "96", "--random-range-ratio", "0.5",
+                client = [sys.executable, "-P", "-m", "kvserve.server.cli", "bench", "--base-url", url,
+                          "--model", "bench", "--num-prompts", str(prompts), "--random-input-len", "96",
+                          "--random-range-ratio", "0.5",
                           "--random-output-len", "128", "--ignore-eos", "--temperature", "0", "--seed", "0",
                           "--max-concurrency", str(concurrency), "--tokenizer", str(tokenizer),
                           "--json", str(out)]  # fmt: skip

@@ -3,7 +3,7 @@ checkpoints (seeded random weights, the offline-trained tokenizer) converted by 
 and quantized by its `llama-quantize`, as a user's files are made.
 
     bash ../shared/peers/llama-cpp.sh /tmp/llama-cpp          # builds the tools (about 10 minutes, once)
-    python -m kvserve.testing.gguf_fixtures /tmp/llama-cpp tests/data/gguf
+    python -P -m kvserve.testing.gguf_fixtures /tmp/llama-cpp tests/data/gguf
 
 The K-quants' blocks hold 256 values, so every row here is 256 wide (llama-quantize would otherwise fall back to
 other types); two layers of GQA attention and an MLP are enough for every tensor a decoder has.

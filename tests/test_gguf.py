@@ -1,6 +1,6 @@
 """GGUF files made by llama.cpp's own converter and llama-quantize (tests/data/gguf/, made by
-`python -m kvserve.testing.gguf_fixtures`): the engine's greedy tokens and logprobs equal HF transformers' loading the
-same file (which dequantizes it) on every scheduling path, for every tensor type kvserve runs; weights stay
+`python -P -m kvserve.testing.gguf_fixtures`): the engine's greedy tokens and logprobs equal HF transformers' loading
+the same file (which dequantizes it) on every scheduling path, for every tensor type kvserve runs; weights stay
 quantized in memory; what kvserve cannot run is refused at start-up by name.
 
 Logprobs within 1e-4, as for unquantized checkpoints: the weights are widened bit for bit as HF widens them

@@ -137,3 +137,22 @@ def test_hugging_faces_kernels_package_and_kvserve_work_side_by_side(tiny_checkp
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_benchmarks_run_from_the_repository_do_not_shadow_installed_packages():
+    """`python -m benchmarks.<name>` runs from the repository root, whose folders would shadow installed packages of
+    the same name (Hugging Face's `kernels`, which transformers imports): the benchmarks package moves the root to
+    the end of the path, where it still provides `benchmarks` and `tests`."""
+    code = (
+        "import importlib.util, sys\n"
+        "import benchmarks\n"
+        "assert 'site-packages' in importlib.util.find_spec('kernels').origin, importlib.util.find_spec('kernels')\n"
+        "import benchmarks.checkpoints, tests.test_layering, transformers\n"
+        "assert 'kernels' not in sys.modules or 'site-packages' in sys.modules['kernels'].__file__\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkpoints"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    result = run_python(code, REPO)
+    assert result.returncode == 0, result.stderr
