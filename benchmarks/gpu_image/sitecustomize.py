@@ -48,23 +48,28 @@ def _closure(projects: set[str]) -> set[str]:
     return found
 
 
-def _hidden_names() -> frozenset[str]:
-    """Top-level module names that only hidden projects provide: kvserve, what it requires (its test extras too)
-    that the image lacks, and what those require that the image lacks, less what the image's projects require as
-    installed here (their versions differ from the image's: huggingface_hub here needs a project the image's may
-    not)."""
+def _hidden_projects() -> frozenset[str]:
+    """kvserve, what it requires (its test extras too) that the image lacks, and what those require that the image
+    lacks, less what the image's projects require as installed here (their versions differ from the image's:
+    huggingface_hub here needs a project the image's may not; transformers from 5.25 needs Hugging Face's
+    `kernels`, which kvserve's tests install too)."""
     image = {line.strip() for line in _IMAGE_LIST.read_text().splitlines() if line.strip() and line[0] != "#"}
     installed = {_normalised(dist.metadata["Name"]) for dist in importlib.metadata.distributions()}
     direct = _requirements("kvserve", extras=True) - image
-    hidden = {"kvserve"} | direct | (_closure(direct) - image - _closure(image & installed))
+    return frozenset({"kvserve"} | ((direct | _closure(direct)) - image - _closure(image & installed)))
+
+
+def _hidden_names(projects: frozenset[str]) -> frozenset[str]:
+    """Top-level module names that only hidden projects provide."""
     return frozenset(
         name
-        for name, projects in importlib.metadata.packages_distributions().items()
-        if all(_normalised(project) in hidden for project in projects)
+        for name, providers in importlib.metadata.packages_distributions().items()
+        if all(_normalised(project) in projects for project in providers)
     )
 
 
-_HIDDEN = _hidden_names()
+_HIDDEN_PROJECTS = _hidden_projects()
+_HIDDEN = _hidden_names(_HIDDEN_PROJECTS)
 _SITE_DIRS = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
 
 
@@ -77,6 +82,15 @@ class _ImagePathFinder(importlib.machinery.PathFinder):
         if path is None and fullname in _HIDDEN:
             path = [entry for entry in sys.path if entry not in _SITE_DIRS and not entry.startswith("__editable__")]
         return super().find_spec(fullname, path, target)
+
+    @classmethod
+    def find_distributions(cls, *args, **kwargs):
+        """Their metadata is not found in site-packages either: a package's version check (transformers' for
+        Hugging Face's `kernels`) agrees with its import."""
+        for dist in super().find_distributions(*args, **kwargs):
+            hidden = _normalised(dist.metadata["Name"] or "") in _HIDDEN_PROJECTS
+            if not (hidden and str(dist.locate_file("")) in _SITE_DIRS):
+                yield dist
 
 
 # kvserve's editable install has a finder of its own; the check reaches kvserve through its folder of links instead.
