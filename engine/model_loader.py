@@ -1,5 +1,6 @@
-"""Build a model from a HF checkpoint directory (config.json plus safetensors, single or sharded) or a GGUF file
-(engine/gguf_checkpoint.py: its quantized tensors stay quantized).
+"""Build a model from a HF checkpoint directory (config.json plus safetensors, single or sharded; a compressed-tensors
+checkpoint's quantized weights stay quantized: engine/compressed_tensors_checkpoint.py) or a GGUF file
+(engine/gguf_checkpoint.py: its quantized tensors stay quantized too).
 
 Only local directories and safetensors files are read: pickle checkpoints (`*.bin`, `*.pt`) can run
 code when unpickled, and `trust_remote_code` is never set, so a checkpoint cannot bring its own code.
@@ -14,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from kvserve.engine import compressed_tensors_checkpoint
 from kvserve.engine.gguf_checkpoint import (
     GgufFile,
     find_gguf,
@@ -54,6 +56,7 @@ def check_checkpoint_dir(model_dir: Path) -> None:
         raise CheckpointError(f"no config.json in {model_dir}")
     if "auto_map" in json.loads((model_dir / "config.json").read_text()):
         raise CheckpointError(f"{model_dir}/config.json asks for the checkpoint's own code (auto_map): never run")
+    compressed_tensors_checkpoint.quantization_config(model_dir)  # what kvserve cannot run, refused by name here
 
 
 def load_model(
@@ -72,8 +75,12 @@ def load_model(
     with torch.device("meta"):
         model = architecture.model_class(config, plan, group).to(dtype)
     gguf_file = GgufFile(gguf_path) if gguf_path is not None else None
+    quantization = compressed_tensors_checkpoint.quantization_config(model_dir) if gguf_file is None else None
     if gguf_file is not None:
         quantize_layers(model, gguf_file)
+    elif quantization is not None:
+        tensors = compressed_tensors_checkpoint.CheckpointTensors(_safetensors_files(model_dir))
+        quantized_layers = compressed_tensors_checkpoint.quantize_layers(model, quantization, tensors, device)
     model.to_empty(device=device)
     model.tie_weights()
     if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases
@@ -91,7 +98,11 @@ def load_model(
         del gguf_file
         release_readers()
     else:
-        _load_weights(model, _safetensors_files(model_dir))
+        files = _safetensors_files(model_dir)
+        _load_weights(model, files, skip=tensors.consumed if quantization is not None else frozenset())
+        if quantization is not None:
+            file_bytes = sum(path.stat().st_size for path in files)
+            compressed_tensors_checkpoint.log_loaded(model, quantization, quantized_layers, file_bytes)
     if config.norm_weight_offset:
         with torch.no_grad():
             for module in model.modules():
@@ -169,7 +180,9 @@ def fused_destinations(model: DecoderForCausalLM) -> dict[str, tuple[torch.Tenso
     return fused
 
 
-def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
+def _load_weights(model: DecoderForCausalLM, files: list[Path], skip: set[str] | frozenset = frozenset()) -> None:
+    """Fill the model's dense parameters from the checkpoint's files (`skip`: tensors already loaded elsewhere, the
+    quantized weights' parts)."""
     plan = model.plan
     expected = checkpoint_destinations(model)
     destinations = {name: (tensor, [name]) for name, tensor in expected.items()}
@@ -180,6 +193,8 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path]) -> None:
         for path in files:
             with _open_shard(path) as shard:
                 for stored_name in shard.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if stored_name in skip:
+                        continue
                     name = _renamed(stored_name, model.config.checkpoint_renames)
                     if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and model.config.tie_word_embeddings

@@ -19,6 +19,7 @@ from kvserve.kernels import torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.block_quant import QuantizedWeight, chunked_quantized_linear
 from kvserve.kernels.cpu_extension import load_cpu_kernels
+from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.torch_layer_ops import TorchLayerOps
 
@@ -46,6 +47,13 @@ class KernelBackend(Protocol):
     ) -> torch.Tensor:
         """`F.linear` of x [rows, in] with a block-quantized weight given as row segments (kernels/block_quant.py),
         computed in float32, in x's dtype."""
+        ...
+
+    def group_quantized_linear(
+        self, x: torch.Tensor, weight: GroupQuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`F.linear` of x [rows, in] with a group-quantized weight (kernels/group_quant.py; its input quantized
+        first where its scheme says), computed in float32, in x's dtype."""
         ...
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
@@ -117,6 +125,9 @@ class TorchGemm:
 
     def quantized_linear(self, x, weights, bias) -> torch.Tensor:
         return chunked_quantized_linear(x, weights, bias)
+
+    def group_quantized_linear(self, x, weight, bias) -> torch.Tensor:
+        return chunked_group_quantized_linear(x, weight, bias)
 
     def prepare_experts(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
         return None

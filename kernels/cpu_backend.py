@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import onednn, torch_moe, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.group_quant import chunked_group_quantized_linear
 from kvserve.kernels.paged_kv import PagedKV
 
 # Rows of input up to which a block-quantized linear layer widens its blocks in registers or a register tile; past
@@ -42,6 +43,9 @@ class CpuBackend:
             )  # fmt: skip
             first += weight.out_features
         return out if bias is None else out.add_(bias)
+
+    def group_quantized_linear(self, x, weight, bias) -> torch.Tensor:
+        return chunked_group_quantized_linear(x, weight, bias)
 
     def prepare_experts(self, gate_up_weight, down_weight) -> torch_moe.OneDnnExperts | None:
         return torch_moe.OneDnnExperts(gate_up_weight, down_weight) if onednn.can_pack(gate_up_weight) else None

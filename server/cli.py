@@ -26,12 +26,13 @@ DEMO_PROMPTS = [
 def model_errors() -> tuple[type[Exception], ...]:
     """A checkpoint kvserve cannot load (or split over the ranks asked for): one line on stderr and exit status 2,
     as for bad settings, not a traceback."""
+    from kvserve.engine.compressed_tensors_checkpoint import CompressedTensorsError
     from kvserve.engine.gguf_checkpoint import GgufError
     from kvserve.engine.model_loader import CheckpointError
     from kvserve.engine.models import UnsupportedModelError
     from kvserve.engine.parallel.sharding import TensorParallelError
 
-    return CheckpointError, GgufError, UnsupportedModelError, TensorParallelError
+    return CheckpointError, CompressedTensorsError, GgufError, UnsupportedModelError, TensorParallelError
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:

@@ -8,8 +8,6 @@ Logprobs within 1e-4, as for unquantized checkpoints: the weights are widened bi
 reference), so the results differ only by the order of float32 sums, as the dense path's do.
 """
 
-import json
-import subprocess
 from pathlib import Path
 
 import gguf
@@ -30,6 +28,7 @@ from tests.test_parity import (
     assert_matches_hf,
     assert_prefix_cached_run_matches_hf,
     build_hf_reference,
+    recorded_graph_replays,
 )
 
 GGUF_DIR = Path(__file__).parent / "data" / "gguf"
@@ -208,7 +207,7 @@ def test_kvserve_serve_a_gguf_file_to_the_openai_client(tmp_path):
     the start-up log names the format, its types and the bytes held."""
     import openai
 
-    from tests.test_server_process import serve_process
+    from tests.test_server_process import assert_answers_within_a_json_schema, serve_process
 
     path = GGUF_DIR / "qwen2-q4_k_m.gguf"
     with serve_process(path, tmp_path, "--served-model-name", "tiny-gguf") as server:
@@ -219,25 +218,16 @@ def test_kvserve_serve_a_gguf_file_to_the_openai_client(tmp_path):
         templated = load_tokenizer(path).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert templated.startswith("<|im_start|>user\nWho created the heaven?<|im_end|>")
         assert chat.usage.prompt_tokens == len(load_tokenizer(path)(templated, add_special_tokens=False).input_ids)
-        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-        constrained = client.chat.completions.create(
-            model="tiny-gguf", messages=[{"role": "user", "content": "A number?"}], max_tokens=40, temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
-        )  # fmt: skip
-        assert isinstance(json.loads(constrained.choices[0].message.content)["n"], int)
+        assert_answers_within_a_json_schema(server, "tiny-gguf")
         log = server.log()
     assert "GGUF qwen2-q4_k_m.gguf (qwen2): tensors 11 f32, 13 q4_k, 3 q6_k; weights held in" in log, log
 
 
 def test_kvserve_serve_refuses_an_unsupported_gguf_file_with_one_line(tmp_path):
-    from tests.test_server_process import free_port, process_env, serve_command
+    from tests.test_server_process import refusal_of
 
     path = _write_gguf(tmp_path / "q4_1.gguf", "qwen2", gguf.GGMLQuantizationType.Q4_1)
-    command = serve_command(path, "--port", str(free_port()))
-    done = subprocess.run(command, env=process_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Q4_1" in errors[0], done.stdout + done.stderr
+    assert "Q4_1" in refusal_of(path, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["qwen2-q8_0.gguf", "qwen2-mixed.gguf", "qwen3-q8_0.gguf"])
@@ -262,11 +252,7 @@ def test_decode_graphs_replayed_over_quantized_weights_give_hf_tokens(hf_referen
     """The decode ladder captured over the quantized layers (replayed eagerly here, as CUDA graphs on GPUs): padded
     batches run the same kernels on the same bytes, and the tokens are HF's."""
     with LLM(str(gguf_file), eager_graph_replay=True, max_num_seqs=4) as llm:
-        graphs = llm.engine.core.runner.worker.decode_graphs
-        replays = []
-        for size, graph in graphs.graphs.items():
-            replay = graph.replay
-            graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+        replays = recorded_graph_replays(llm)
         assert_matches_hf(llm, hf_reference, "staggered")
     assert replays
 

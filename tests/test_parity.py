@@ -39,12 +39,15 @@ def hf_reference(tiny_model):
     return build_hf_reference(tiny_model)
 
 
-def build_hf_reference(model_dir: Path, **load_options) -> list:
+def build_hf_reference(model_dir: Path, prepare_model=None, **load_options) -> list:
     """Prompts, HF `generate` greedy tokens and logprobs, and the prompt's logprobs, each prompt run alone.
-    `load_options` go to `from_pretrained` (a GGUF file's name: `gguf_file`)."""
+    `load_options` go to `from_pretrained` (a GGUF file's name: `gguf_file`); `prepare_model`, if given, is called
+    with the loaded model before it runs."""
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager", **load_options
     )
+    if prepare_model is not None:
+        prepare_model(model)
     vocab_size = model.config.vocab_size
     # Without an EOS, HF neither stops early nor masks EOS (as min_new_tokens would): like ignore_eos.
     model.generation_config.eos_token_id = None
@@ -89,7 +92,7 @@ def test_triton_backend_matches_hf(tiny_model, hf_reference):
     assert_matches_hf(llm, hf_reference, "chunked_preempting")
 
 
-def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
+def assert_matches_hf(llm: LLM, hf_reference, path: str, logprob_tolerance: float = 1e-4) -> None:
     """Every other request also scores its prompt (prompt logprobs), so both kinds share the batches."""
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     scoring = replace(params, prompt_logprobs=1)
@@ -98,22 +101,33 @@ def assert_matches_hf(llm: LLM, hf_reference, path: str) -> None:
 
     for i, ((prompt, tokens, logprobs, prompt_logprobs), output) in enumerate(zip(hf_reference, outputs, strict=True)):
         assert output.token_ids == tokens
-        assert [entry.logprob for entry in output.logprobs] == pytest.approx(logprobs, abs=1e-4)
+        assert [entry.logprob for entry in output.logprobs] == pytest.approx(logprobs, abs=logprob_tolerance)
         if i % 2 == 0:
             assert output.prompt_logprobs is None
             continue
         first, *scored = output.prompt_logprobs
         assert first is None
         assert [entry.token_id for entry in scored] == prompt[1:]
-        assert [entry.logprob for entry in scored] == pytest.approx(prompt_logprobs, abs=1e-4)
+        assert [entry.logprob for entry in scored] == pytest.approx(prompt_logprobs, abs=logprob_tolerance)
     if "preempting" in path:
         assert llm.engine.core.scheduler.num_preemptions > 0
     assert llm.engine.kv_usage().num_used_blocks == 0
 
 
-def assert_prefix_cached_run_matches_hf(model_dir: Path, hf_reference, **settings) -> None:
+def recorded_graph_replays(llm: LLM) -> list[int]:
+    """The batch sizes of the decode graphs the engine replays from now on, in order (a list it appends to)."""
+    replays = []
+    for size, graph in llm.engine.core.runner.worker.decode_graphs.graphs.items():
+        replay = graph.replay
+        graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+    return replays
+
+
+def assert_prefix_cached_run_matches_hf(
+    model_dir: Path, hf_reference, logprob_tolerance: float = 1e-4, **settings
+) -> None:
     """The parity prompts twice on one engine: the second run's full blocks come from the prefix cache."""
     with LLM(str(model_dir), enable_prefix_caching=True, **settings) as llm:
-        assert_matches_hf(llm, hf_reference, "one_batch")
-        assert_matches_hf(llm, hf_reference, "one_batch")
+        assert_matches_hf(llm, hf_reference, "one_batch", logprob_tolerance)
+        assert_matches_hf(llm, hf_reference, "one_batch", logprob_tolerance)
         assert llm.engine.core.scheduler.prefix_cache_hit_tokens > 0

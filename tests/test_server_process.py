@@ -3,6 +3,7 @@ engine keeps failing, and settings from a YAML file, KVSERVE_* variables and fla
 timeouts and killed at the end, with anything it started."""
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -107,6 +108,29 @@ KVSERVE = str(Path(sys.executable).with_name("kvserve"))
 
 def serve_command(model_dir: Path, *flags: str) -> list[str]:
     return [KVSERVE, "serve", str(model_dir), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *flags]
+
+
+def assert_answers_within_a_json_schema(server: "ServerProcess", model: str) -> None:
+    """A chat request through the openai client, constrained by a strict JSON schema, answers JSON that fits it."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A number?"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert isinstance(json.loads(constrained.choices[0].message.content)["n"], int)
+
+
+def refusal_of(model_dir: Path, tmp_path: Path) -> str:
+    """The one `error: ` line `kvserve serve` exits with (status 2) for a checkpoint it refuses at start-up."""
+    command = serve_command(model_dir, "--port", str(free_port()))
+    done = subprocess.run(command, env=process_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1, output
+    return errors[0]
 
 
 def process_env(tmp_path: Path, **variables: str) -> dict[str, str]:

@@ -8,10 +8,12 @@ time for every projection of the benchmark model), and the packed weight saves o
 packed copy sits beside the weight, so on a CPU the linear layers' weights take twice their memory.
 
 A layer may instead hold a block-quantized weight (GGUF's, kernels/block_quant.py), as row segments in the order of
-its rows (the parts of a packed projection may be quantized apart, in different formats); it then has no dense
-weight at all, and the backend's `quantized_linear` computes it.
+its rows (the parts of a packed projection may be quantized apart, in different formats), or a group-quantized one
+(compressed-tensors', kernels/group_quant.py); it then has no dense weight at all, and the backend's
+`quantized_linear` or `group_quantized_linear` computes it.
 """
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 
 from kvserve.kernels import KernelBackend
 from kvserve.kernels.block_quant import QuantizedWeight, dequantize
+from kvserve.kernels.group_quant import GroupQuantizedWeight, quantize_activations, token_largest
 
 if TYPE_CHECKING:
     from kvserve.engine.parallel.group import TensorParallelGroup
@@ -28,21 +31,31 @@ if TYPE_CHECKING:
 class Linear(nn.Linear):
     prepared: object | None = None  # the backend's own form of the weight (`prepare_weights`), if it keeps one
     quantized: tuple[QuantizedWeight, ...] | None = None  # the weight's row segments, when it is block-quantized
+    grouped: GroupQuantizedWeight | None = None  # the weight, when it is group-quantized
 
     def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
         if self.quantized is not None:
             return backend.quantized_linear(x, self.quantized, self.bias)
+        if self.grouped is not None:
+            return backend.group_quantized_linear(x, self.grouped, self.bias)
         return backend.linear(x, self.weight, self.bias, self.prepared)
 
     def quantize(self, segments: tuple[QuantizedWeight, ...]) -> None:
         """Hold the weight as block-quantized row segments instead of a dense parameter (set before the model is
         allocated, so the dense weight never is)."""
-        if sum(segment.out_features for segment in segments) != self.out_features or any(
-            segment.in_features != self.in_features for segment in segments
-        ):
-            raise ValueError(f"quantized weight does not fit a [{self.out_features}, {self.in_features}] layer")
+        self._check_fits(sum(segment.out_features for segment in segments), {s.in_features for s in segments})
         self.quantized = segments
         self.weight = None
+
+    def quantize_groups(self, weight: GroupQuantizedWeight) -> None:
+        """Hold the weight group-quantized instead of as a dense parameter (set before the model is allocated)."""
+        self._check_fits(weight.out_features, {weight.in_features})
+        self.grouped = weight
+        self.weight = None
+
+    def _check_fits(self, out_features: int, in_features: set[int]) -> None:
+        if out_features != self.out_features or in_features != {self.in_features}:
+            raise ValueError(f"quantized weight does not fit a [{self.out_features}, {self.in_features}] layer")
 
     def checkpoint_weight_names(self, module_name: str) -> list[str]:
         """The checkpoint names of the tensors its weight is made of, in the order of its rows."""
@@ -59,7 +72,17 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        if self.grouped is not None and self.grouped.activations is not None:
+            return self.group.all_reduce(self._with_inputs_quantized_over_ranks(x, backend))
         return self.group.all_reduce(super().forward(x, backend))
+
+    def _with_inputs_quantized_over_ranks(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        """A token's input scale comes from all its features, which the ranks hold a share each of: the largest
+        |x| over the ranks, then each rank's share quantized with it and multiplied as it is."""
+        x_float = x.float()
+        largest = self.group.all_reduce_max(token_largest(x_float))
+        quantized = quantize_activations(x_float, self.grouped.activations, largest)
+        return backend.group_quantized_linear(quantized, replace(self.grouped, activations=None), self.bias).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Embedding):

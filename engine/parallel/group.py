@@ -49,6 +49,11 @@ class TensorParallelGroup:
         dist.all_reduce(tensor, group=self.device_group)
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The largest over the ranks, in place."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.device_group)
+        return tensor
+
     def gather_on_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape on each), on rank 0, by rank; None elsewhere."""
         if self.rank != 0:

@@ -64,15 +64,21 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 def check_can_split(config: EngineConfig, model_dir: Path, device: torch.device) -> None:
     """`TensorParallelError` unless the model splits over the ranks and, on CUDA, each rank has a GPU."""
+    from kvserve.engine.compressed_tensors_checkpoint import check_splits_groups, quantization_config
     from kvserve.engine.gguf_checkpoint import check_splits_blocks, find_gguf
     from kvserve.engine.model_loader import (
         load_decoder_config,  # the loader imports the decoder, which imports this package
     )
 
-    ShardPlan.of(load_decoder_config(model_dir), 0, config.tensor_parallel_size)
+    decoder_config = load_decoder_config(model_dir)
+    ShardPlan.of(decoder_config, 0, config.tensor_parallel_size)
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:
         check_splits_blocks(gguf_path, config.tensor_parallel_size)
+    else:
+        quantization = quantization_config(model_dir)
+        if quantization is not None:
+            check_splits_groups(quantization, decoder_config, config.tensor_parallel_size)
     if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
         raise TensorParallelError(
             f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
