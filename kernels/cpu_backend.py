@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import onednn, torch_moe, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
-from kvserve.kernels.group_quant import chunked_group_quantized_linear
+from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear, quantize_activations
 from kvserve.kernels.paged_kv import PagedKV
 
 # Rows of input up to which a block-quantized linear layer widens its blocks in registers or a register tile; past
@@ -45,7 +45,17 @@ class CpuBackend:
         return out if bias is None else out.add_(bias)
 
     def group_quantized_linear(self, x, weight, bias) -> torch.Tensor:
-        return chunked_group_quantized_linear(x, weight, bias)
+        if not _cpp_takes(weight):
+            return chunked_group_quantized_linear(x, weight, bias)
+        inputs = x if weight.activations is None else quantize_activations(x.float(), weight.activations)
+        out = torch.empty(x.shape[0], weight.out_features, dtype=inputs.dtype)
+        torch.ops.kvserve_cpu.group_quant_linear(
+            out, inputs, weight.values, weight.num_bits, weight.scales, weight.zero_points, weight.group_size,
+            MAX_FUSED_ROWS,
+        )  # fmt: skip
+        if bias is not None:
+            out.add_(bias)
+        return out.to(x.dtype)
 
     def prepare_experts(self, gate_up_weight, down_weight) -> torch_moe.OneDnnExperts | None:
         return torch_moe.OneDnnExperts(gate_up_weight, down_weight) if onednn.can_pack(gate_up_weight) else None
@@ -95,3 +105,13 @@ class CpuBackend:
         if prepared is not None:
             return prepared.fused_moe(hidden, topk_weights, topk_ids)
         return torch_moe.fused_moe(hidden, gate_up_weight, down_weight, topk_weights, topk_ids)
+
+
+def _cpp_takes(weight: GroupQuantizedWeight) -> bool:
+    """The C++ kernels' group layouts: integer values, float32 or bfloat16 scales, groups of a multiple of 32 (float8
+    values, float16 scales and other groups take the torch path)."""
+    return (
+        weight.values.dtype != torch.float8_e4m3fn
+        and weight.scales.dtype in (torch.float32, torch.bfloat16)
+        and weight.group_size % 32 == 0
+    )

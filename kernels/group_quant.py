@@ -15,6 +15,10 @@ scale; w = (q - zero_point) * scale, computed in the scales' dtype exactly as co
 Some schemes also quantize a layer's input, dynamically per token (W8A8: int8; FP8_DYNAMIC: float8): the layer
 then multiplies the input's quantized-and-dequantized values (`quantize_activations`), as compressed-tensors' own
 forward does, so the products are those of the quantized operands.
+
+On a CPU the C++ kernels (kernels/csrc/cpu_block_quant.cpp) compute integer values with float32 or bfloat16 scales,
+widened in registers as `dequantize` widens them; float8 values, float16 scales and other devices take the torch
+path here (`chunked_group_quantized_linear`).
 """
 
 from dataclasses import dataclass
@@ -68,11 +72,6 @@ class GroupQuantizedWeight:
         """What must agree for two weights to be computed as one: all but the values and scales."""
         return (self.values.dtype, self.num_bits, self.scales.dtype, self.zero_points is not None,
                 self.group_size, self.in_features, self.activations)  # fmt: skip
-
-    @property
-    def nbytes(self) -> int:
-        held = self.values.nbytes + self.scales.nbytes
-        return held + (self.zero_points.nbytes if self.zero_points is not None else 0)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.values, self.scales, self.zero_points) if t is not None]

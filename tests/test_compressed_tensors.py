@@ -15,6 +15,7 @@ and 0.09 (FP8_DYNAMIC). The tokens are equal all the same.
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,6 +38,7 @@ from kvserve.engine.compressed_tensors_checkpoint import (
 )
 from kvserve.engine.models.layers import Linear
 from kvserve.engine.parallel.sharding import TensorParallelError
+from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.group_quant import (
     GroupQuantizedWeight,
@@ -213,6 +215,53 @@ def test_the_torch_path_matches_the_reference_and_quantizes_inputs():
     assert torch.allclose(chunked_group_quantized_linear(x, with_inputs, bias),
                           group_quantized_linear(x, with_inputs, bias), atol=1e-5)  # fmt: skip
     assert not torch.allclose(group_quantized_linear(x, with_inputs, bias), reference, atol=1e-4)
+
+
+def _random_weight(num_bits: int, scale_dtype, zero_points: bool, group_size: int, rows: int = 40, columns: int = 256):
+    generator = torch.Generator().manual_seed(num_bits + group_size + zero_points)
+    if num_bits == 8:
+        values = torch.randint(-128, 128, (rows, columns), dtype=torch.int8, generator=generator)
+    else:
+        values = torch.randint(0, 256, (rows, columns // 2), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(rows, columns // group_size, generator=generator) / 50).to(scale_dtype)
+    zeros = torch.randint(-8, 8, scales.shape, dtype=torch.int8, generator=generator) if zero_points else None
+    return GroupQuantizedWeight(values, num_bits, scales, zeros, group_size, columns)
+
+
+@pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels could not be built here")
+@pytest.mark.parametrize("num_bits", [8, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize("group_size", [32, 256])
+def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_rounding(
+    num_bits, scale_dtype, zero_points, group_size
+):
+    """Every layout the C++ kernels take: the weight widened bit for bit as the reference dequantizes it (a bfloat16
+    product rounded to bfloat16), and the linear layer within float32 rounding of the reference on 1-4 rows (one pass
+    over the weight), 7 (the register tile) and 70 (widened chunks and a GEMM)."""
+    weight = _random_weight(num_bits, scale_dtype, zero_points, group_size)
+    widened = torch.empty(weight.out_features, weight.in_features)
+    torch.ops.kvserve_cpu.group_quant_dequantize(
+        widened, weight.values, num_bits, weight.scales, weight.zero_points, group_size
+    )
+    assert torch.equal(widened, dequantize(weight))
+    for rows in (1, 3, 7, 70):
+        x = torch.randn(rows, weight.in_features)
+        bias = torch.randn(weight.out_features)
+        ours = CpuBackend().group_quantized_linear(x, weight, bias)
+        assert torch.allclose(ours, group_quantized_linear(x, weight, bias), atol=1e-4, rtol=1e-5), rows
+
+
+@pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels could not be built here")
+def test_the_cpu_backend_quantizes_inputs_and_sends_float8_to_the_torch_path():
+    x = torch.randn(5, 256)
+    with_inputs = replace(_random_weight(8, torch.float32, False, 256), activations="int8")
+    assert torch.allclose(CpuBackend().group_quantized_linear(x, with_inputs, None),
+                          group_quantized_linear(x, with_inputs, None), atol=1e-4)  # fmt: skip
+    fp8 = GroupQuantizedWeight(torch.randn(40, 256).to(torch.float8_e4m3fn), 8, torch.rand(40, 1), None, 256, 256,
+                               "fp8")  # fmt: skip
+    assert torch.allclose(CpuBackend().group_quantized_linear(x, fp8, None), group_quantized_linear(x, fp8, None),
+                          atol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("num_bits", [4, 8])

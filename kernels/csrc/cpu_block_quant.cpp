@@ -1,8 +1,10 @@
-// Linear layers over block-quantized weights (GGML's block layouts, described in kernels/block_quant.py beside
-// their torch reference). The weight stays in its bytes; no copy of the whole weight is ever made. All sums are
-// float32, as HF computes a dequantized GGUF model.
+// Linear layers over quantized weights: GGML's block layouts (described in kernels/block_quant.py beside their torch
+// reference) and compressed-tensors' groups (kernels/group_quant.py). The weight stays in its bytes; no copy of the
+// whole weight is ever made. Each weight is read through a row reader that widens it unit by unit (a block, 32 values
+// of a group) into 8-float vectors exactly as the reference dequantizes it; all sums are float32, as HF computes a
+// dequantized model.
 //
-// Up to 4 input rows (decode of a few requests): each block is widened in registers and used at once by every row,
+// Up to 4 input rows (decode of a few requests): each unit is widened in registers and used at once by every row,
 // one pass over the weight (bandwidth-bound). Up to the caller's limit (64 in the CPU backend): 4 weight rows at a
 // time are widened into a buffer that stays in cache and multiplied by 3 input rows at a time in a register tile.
 // Past it (prompt chunks): 256 weight rows at a time are widened into a scratch buffer and multiplied by a GEMM.
@@ -12,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -254,20 +258,112 @@ struct Blocks<kBF16> : PlainValues<16, bfloat16_8> {};
 template <>
 struct Blocks<kF32> : PlainValues<32, float8> {};
 
+// A weight row, read as units of values (a block, a group) each handed out as 8-value vectors by
+// `visit(unit, use)`, calling `use(offset in the unit, values)`; `weight.row(n)` gives row n's reader.
+template <int64_t Format>
+struct BlockRow {
+  using B = Blocks<Format>;
+  const uint8_t* row;
+  static constexpr int64_t unit_values() { return B::kValues; }
+  template <typename Use>
+  void visit(int64_t unit, Use&& use) const {
+    B::visit(row + unit * B::kBytes, use);
+  }
+};
+
+template <int64_t Format>
+struct BlockWeight {
+  const uint8_t* data;
+  int64_t row_bytes;
+  BlockRow<Format> row(int64_t n) const { return {data + n * row_bytes}; }
+};
+
+// Group-quantized values (compressed-tensors', kernels/group_quant.py): a scale per group of `group_size` values of
+// a row, and with zero points one a group; w = (q - zero point) * scale in the scales' dtype, as the package
+// dequantizes (a bfloat16 product is rounded to bfloat16; the difference q - zero point is exact in either).
+enum GroupValues : int64_t { kInt8Values = 8, kInt4Values = 4 };
+
+// Eight 4-bit values from one little-endian word (value i in bits 4i..4i+3, stored as q + 8), as q.
+inline Float8 nibbles8(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const Uint32x8 q = ((Uint32x8{} + word) >> Uint32x8{0, 4, 8, 12, 16, 20, 24, 28}) & 15u;
+  return __builtin_convertvector((Int32x8)q, Float8) - 8.0f;
+}
+
+// Round to the nearest bfloat16 (ties to even), as a float32.
+inline Float8 round_to_bfloat16(Float8 w) {
+  Uint32x8 bits;
+  std::memcpy(&bits, &w, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&w, &bits, sizeof w);
+  return w;
+}
+
+// Units of 32 values (groups are a multiple of 32 here), so that each unit's four vectors have offsets known at
+// compile time: the dot product then keeps its independent sums in registers (with a whole group a unit, a runtime
+// offset picked the sum, which kept them in memory: 2x slower at one row).
+template <int64_t Values, bool BFloat16Scales, bool ZeroPoints>
+struct GroupRow {
+  const uint8_t* values;
+  const void* scales;
+  const int8_t* zero_points;
+  int32_t units_per_group;
+  static constexpr int64_t unit_values() { return 32; }
+  template <typename Use>
+  void visit(int64_t unit, Use&& use) const {
+    const int32_t group = static_cast<int32_t>(unit) / units_per_group;
+    float scale;
+    if constexpr (BFloat16Scales) {
+      const uint32_t bits = uint32_t{static_cast<const uint16_t*>(scales)[group]} << 16;
+      std::memcpy(&scale, &bits, sizeof scale);
+    } else {
+      scale = static_cast<const float*>(scales)[group];
+    }
+    const float zero = ZeroPoints ? zero_points[group] : 0.0f;
+    for (int c = 0; c < 4; ++c) {
+      Float8 q;
+      if constexpr (Values == kInt8Values) {
+        q = widen8_signed(values + unit * 32 + 8 * c);
+      } else {
+        q = nibbles8(values + unit * 16 + 4 * c);
+      }
+      if constexpr (ZeroPoints) q -= zero;
+      const Float8 w = q * scale;
+      use(8 * c, BFloat16Scales ? round_to_bfloat16(w) : w);
+    }
+  }
+};
+
+template <int64_t Values, bool BFloat16Scales, bool ZeroPoints>
+struct GroupWeight {
+  const uint8_t* values;
+  int64_t row_value_bytes;
+  const uint8_t* scales;
+  int64_t row_scale_bytes;
+  const int8_t* zero_points;
+  int64_t groups;
+  int64_t group_size;
+  GroupRow<Values, BFloat16Scales, ZeroPoints> row(int64_t n) const {
+    return {values + n * row_value_bytes, scales + n * row_scale_bytes,
+            ZeroPoints ? zero_points + n * groups : nullptr, static_cast<int32_t>(group_size / 32)};
+  }
+};
+
 // Input rows of a register tile.
 constexpr int64_t kTileRows = 4;
 
-// sums[r] = the weight row `row` times x's rows r < Rows (a row every `in_features` floats).
-template <int64_t Format, int64_t Rows>
-inline void dot_tile(const uint8_t* row, const float* x, int64_t in_features, float* sums) {
-  using B = Blocks<Format>;
+// sums[r] = the weight row times x's rows r < Rows (a row every `in_features` floats).
+template <int64_t Rows, typename Row>
+inline void dot_tile(const Row& row, const float* x, int64_t in_features, float* sums) {
   // Independent sums per row, so that at least four FMAs are in flight: one chain of dependent FMAs would wait out
   // each one's latency (4 cycles), which halved the one-row speed.
   constexpr int64_t kChains = Rows >= 4 ? 1 : 4 / Rows;
   Float8 acc[Rows][kChains] = {};
-  for (int64_t u = 0; u < in_features / B::kValues; ++u) {
-    const float* x_unit = x + u * B::kValues;
-    B::visit(row + u * B::kBytes, [&](int64_t i, Float8 w) {
+  const int64_t unit_values = row.unit_values();
+  for (int64_t u = 0; u < in_features / unit_values; ++u) {
+    const float* x_unit = x + u * unit_values;
+    row.visit(u, [&](int64_t i, Float8 w) {
       const int64_t chain = (i / 8) % kChains;
       for (int64_t r = 0; r < Rows; ++r) acc[r][chain] += w * load8(x_unit + r * in_features + i);
     });
@@ -280,12 +376,12 @@ inline void dot_tile(const uint8_t* row, const float* x, int64_t in_features, fl
 }
 
 // A weight row widened into `out` (in_features floats): for many input rows, once, then read from L1 by each tile.
-template <int64_t Format>
-void widen_row(const uint8_t* row, int64_t in_features, float* out) {
-  using B = Blocks<Format>;
-  for (int64_t u = 0; u < in_features / B::kValues; ++u) {
-    float* unit = out + u * B::kValues;
-    B::visit(row + u * B::kBytes, [&](int64_t i, Float8 w) { std::memcpy(unit + i, &w, sizeof w); });
+template <typename Row>
+void widen_row(const Row& row, int64_t in_features, float* out) {
+  const int64_t unit_values = row.unit_values();
+  for (int64_t u = 0; u < in_features / unit_values; ++u) {
+    float* unit = out + u * unit_values;
+    row.visit(u, [&](int64_t i, Float8 w) { std::memcpy(unit + i, &w, sizeof w); });
   }
 }
 
@@ -333,38 +429,36 @@ inline void tile_sums(const float* w, const float* x, int64_t in_features, int64
   }
 }
 
-// out [rows, out_features] (any row stride) = x [rows, in_features] @ widened(data).T, all in float32. Up to
-// kTileRows input rows, each weight block is widened in registers and used at once. Past that, kWeightTile weight rows
+// out [rows, out_features] (any row stride) = x [rows, in_features] @ widened(weight).T, all in float32. Up to
+// kTileRows input rows, each weight unit is widened in registers and used at once. Past that, kWeightTile weight rows
 // at a time are widened into a buffer that stays in cache and multiplied by tiles of input rows there.
-template <int64_t Format, typename scalar_t>
-void fused_rows(const at::Tensor& out, const float* x, int64_t num_rows, const at::Tensor& data, int64_t in_features) {
-  const int64_t row_bytes = data.size(1), out_stride = out.stride(0);
-  const uint8_t* weight = data.data_ptr<uint8_t>();
+template <typename scalar_t, typename Weight>
+void fused_rows(const at::Tensor& out, const float* x, int64_t num_rows, const Weight& weight, int64_t out_features,
+                int64_t in_features) {
+  const int64_t out_stride = out.stride(0);
   scalar_t* out_data = out.data_ptr<scalar_t>();
   if (num_rows <= kTileRows) {
-    at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
       float sums[kTileRows];
       for (int64_t n = begin; n < end; ++n) {
-        const uint8_t* row = weight + n * row_bytes;
+        const auto row = weight.row(n);
         switch (num_rows) {
-          case 1: dot_tile<Format, 1>(row, x, in_features, sums); break;
-          case 2: dot_tile<Format, 2>(row, x, in_features, sums); break;
-          case 3: dot_tile<Format, 3>(row, x, in_features, sums); break;
-          default: dot_tile<Format, 4>(row, x, in_features, sums); break;
+          case 1: dot_tile<1>(row, x, in_features, sums); break;
+          case 2: dot_tile<2>(row, x, in_features, sums); break;
+          case 3: dot_tile<3>(row, x, in_features, sums); break;
+          default: dot_tile<4>(row, x, in_features, sums); break;
         }
         for (int64_t r = 0; r < num_rows; ++r) out_data[r * out_stride + n] = static_cast<scalar_t>(sums[r]);
       }
     });
     return;
   }
-  at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(kWeightTile * in_features);
     float sums[kWeightTile][kInputTile];
     for (int64_t n = begin; n < end; n += kWeightTile) {
       const int64_t weight_rows = std::min(kWeightTile, end - n);
-      for (int64_t j = 0; j < weight_rows; ++j) {
-        widen_row<Format>(weight + (n + j) * row_bytes, in_features, widened.data() + j * in_features);
-      }
+      for (int64_t j = 0; j < weight_rows; ++j) widen_row(weight.row(n + j), in_features, widened.data() + j * in_features);
       for (int64_t first = 0; first < num_rows; first += kInputTile) {
         const int64_t rows = std::min(kInputTile, num_rows - first);
         tile_sums(widened.data(), x + first * in_features, in_features, weight_rows, rows, sums);
@@ -375,6 +469,57 @@ void fused_rows(const at::Tensor& out, const float* x, int64_t num_rows, const a
         }
       }
     }
+  });
+}
+
+// Widens weight rows [begin, end) into out (float32, a row every `in_features` values).
+template <typename Weight>
+void widen_rows(const Weight& weight, int64_t in_features, int64_t begin, int64_t end, float* out) {
+  for (int64_t n = begin; n < end; ++n) widen_row(weight.row(n), in_features, out + (n - begin) * in_features);
+}
+
+// Rows of the weight widened per GEMM in the many-rows path: 256 rows of 4864 floats are 5 MB.
+constexpr int64_t kChunkRows = 256;
+
+template <typename Weight>
+void chunked_gemm(const at::Tensor& out, const at::Tensor& x, const Weight& weight, int64_t out_features,
+                  int64_t in_features) {
+  at::Tensor scratch = at::empty({std::min(kChunkRows, out_features), in_features}, x.options().dtype(at::kFloat));
+  for (int64_t first = 0; first < out_features; first += kChunkRows) {
+    const int64_t count = std::min(kChunkRows, out_features - first);
+    float* widened = scratch.data_ptr<float>();
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      widen_rows(weight, in_features, first + begin, first + end, widened + begin * in_features);
+    });
+    out.narrow(1, first, count).copy_(at::mm(x, scratch.narrow(0, 0, count).t()));
+  }
+}
+
+// out [rows, out_features] (a column slice of a wider output may be passed) = x @ weight.T, x [rows, in_features]
+// in the model dtype, out in the same dtype; the fused path for up to `max_fused_rows` rows.
+template <typename Weight>
+void quantized_linear(const at::Tensor& out, const at::Tensor& x, const Weight& weight, int64_t out_features,
+                      int64_t in_features, int64_t max_fused_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0) && out.size(1) == out_features && out.scalar_type() == x.scalar_type(),
+              "quantized linear: x [rows, in], out [rows, out] in x's dtype with unit column stride");
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  if (x.size(0) > max_fused_rows) {
+    chunked_gemm(out, x_float, weight, out_features, in_features);
+    return;
+  }
+  KVSERVE_DISPATCH_MODEL_DTYPES(x.scalar_type(), "quantized_linear", [&] {
+    fused_rows<scalar_t>(out, x_float.data_ptr<float>(), x.size(0), weight, out_features, in_features);
+  });
+}
+
+// out [rows, in_features] float32: every row of the weight widened (the embedding's lookup, and tests).
+template <typename Weight>
+void dequantize_rows(const at::Tensor& out, const Weight& weight, int64_t out_features, int64_t in_features) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == out_features &&
+                  out.size(1) == in_features, "dequantize: out float32 [rows, in_features]");
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    widen_rows(weight, in_features, begin, end, out.data_ptr<float>() + begin * in_features);
   });
 }
 
@@ -394,70 +539,93 @@ decltype(auto) with_format(int64_t format, Fn&& fn) {
   TORCH_CHECK(false, "block_quant: unknown format ", format);
 }
 
-void check_weight(const at::Tensor& data, int64_t format, int64_t in_features) {
-  const auto [values, bytes] = with_format(format, [](auto f) {
-    return std::pair<int64_t, int64_t>(Blocks<f()>::kValues, Blocks<f()>::kBytes);
-  });
+// fn(weight) with the block weight of `data` in `format`, its shape checked.
+template <typename Fn>
+void with_block_weight(const at::Tensor& data, int64_t format, int64_t in_features, Fn&& fn) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
               "block_quant: data is contiguous uint8 [rows, row bytes]");
-  TORCH_CHECK(in_features % values == 0 && data.size(1) == in_features / values * bytes,
-              "block_quant: rows of ", in_features, " values do not fit format ", format);
-}
-
-// Widens weight rows [begin, end) into out (float32, a row every `in_features` values).
-void widen_rows(const uint8_t* data, int64_t row_bytes, int64_t in_features, int64_t format, int64_t begin,
-                int64_t end, float* out) {
   with_format(format, [&](auto f) {
-    for (int64_t n = begin; n < end; ++n) widen_row<f()>(data + n * row_bytes, in_features, out + (n - begin) * in_features);
+    using B = Blocks<f()>;
+    TORCH_CHECK(in_features % B::kValues == 0 && data.size(1) == in_features / B::kValues * B::kBytes,
+                "block_quant: rows of ", in_features, " values do not fit format ", format);
+    fn(BlockWeight<f()>{data.data_ptr<uint8_t>(), data.size(1)});
   });
 }
 
-// Rows of the weight widened per GEMM in the many-rows path: 256 rows of 4864 floats are 5 MB.
-constexpr int64_t kChunkRows = 256;
-
-void chunked_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data, int64_t format,
-                  int64_t in_features) {
-  const int64_t out_features = data.size(0), row_bytes = data.size(1);
-  at::Tensor scratch = at::empty({std::min(kChunkRows, out_features), in_features}, x.options().dtype(at::kFloat));
-  for (int64_t first = 0; first < out_features; first += kChunkRows) {
-    const int64_t count = std::min(kChunkRows, out_features - first);
-    const uint8_t* rows = data.data_ptr<uint8_t>() + first * row_bytes;
-    float* widened = scratch.data_ptr<float>();
-    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-      widen_rows(rows, row_bytes, in_features, format, begin, end, widened + begin * in_features);
-    });
-    out.narrow(1, first, count).copy_(at::mm(x, scratch.narrow(0, 0, count).t()));
-  }
-}
-
-// out [rows, out_features] (a column slice of a wider output may be passed) = x @ weight.T, x [rows, in_features]
-// in the model dtype, out in the same dtype; the fused path for up to `max_fused_rows` rows.
 void block_quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data, int64_t format,
                         int64_t in_features, int64_t max_fused_rows) {
-  check_weight(data, format, in_features);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == x.size(0) && out.size(1) == data.size(0) && out.scalar_type() == x.scalar_type(),
-              "block_quant_linear: x [rows, in], out [rows, out] in x's dtype with unit column stride");
-  const at::Tensor x_float = x.to(at::kFloat).contiguous();
-  if (x.size(0) > max_fused_rows) {
-    chunked_gemm(out, x_float, data, format, in_features);
-    return;
-  }
-  KVSERVE_DISPATCH_MODEL_DTYPES(x.scalar_type(), "block_quant_linear", [&] {
-    with_format(format, [&](auto f) {
-      fused_rows<f(), scalar_t>(out, x_float.data_ptr<float>(), x.size(0), data, in_features);
-    });
+  with_block_weight(data, format, in_features, [&](const auto& weight) {
+    quantized_linear(out, x, weight, data.size(0), in_features, max_fused_rows);
   });
 }
 
-// out [rows, in_features] float32: rows of the weight widened (the embedding's lookup, and tests).
 void block_quant_dequantize(const at::Tensor& out, const at::Tensor& data, int64_t format, int64_t in_features) {
-  check_weight(data, format, in_features);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == data.size(0) &&
-                  out.size(1) == in_features, "block_quant_dequantize: out float32 [rows, in_features]");
-  at::parallel_for(0, data.size(0), 16, [&](int64_t begin, int64_t end) {
-    widen_rows(data.data_ptr<uint8_t>(), data.size(1), in_features, format, begin, end,
-                out.data_ptr<float>() + begin * in_features);
+  with_block_weight(data, format, in_features, [&](const auto& weight) {
+    dequantize_rows(out, weight, data.size(0), in_features);
+  });
+}
+
+// fn(weight) with the group weight of these tensors (kernels/group_quant.py's GroupQuantizedWeight: int8 values, or
+// uint8 holding two 4-bit ones; float32 or bfloat16 scales [rows, groups]; int8 zero points like them, or none).
+template <typename Fn>
+void with_group_weight(const at::Tensor& values, int64_t num_bits, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& zero_points, int64_t group_size, Fn&& fn) {
+  const int64_t rows = values.size(0), groups = scales.size(1);
+  const int64_t in_features = groups * group_size;
+  TORCH_CHECK(values.dim() == 2 && values.is_contiguous() && scales.dim() == 2 && scales.is_contiguous() &&
+                  scales.size(0) == rows && group_size % 32 == 0,
+              "group_quant: contiguous values [rows, ...] and scales [rows, groups], groups of a multiple of 32");
+  TORCH_CHECK((num_bits == 8 && values.scalar_type() == at::kChar && values.size(1) == in_features) ||
+                  (num_bits == 4 && values.scalar_type() == at::kByte && values.size(1) * 2 == in_features),
+              "group_quant: 8-bit values are int8 [rows, in], 4-bit ones uint8 [rows, in / 2]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
+              "group_quant: scales are float32 or bfloat16");
+  if (zero_points) {
+    TORCH_CHECK(zero_points->scalar_type() == at::kChar && zero_points->is_contiguous() &&
+                    zero_points->sizes() == scales.sizes(), "group_quant: zero points are int8 like the scales");
+  }
+  const auto* value_data = static_cast<const uint8_t*>(values.data_ptr());
+  const auto* scale_data = static_cast<const uint8_t*>(scales.data_ptr());
+  const int8_t* zero_data = zero_points ? zero_points->data_ptr<int8_t>() : nullptr;
+  const int64_t row_value_bytes = values.size(1), row_scale_bytes = groups * scales.element_size();
+  auto with_layout = [&](auto bits, auto bfloat16_scales, auto has_zero_points) {
+    fn(GroupWeight<bits(), bfloat16_scales(), has_zero_points()>{
+        value_data, row_value_bytes, scale_data, row_scale_bytes, zero_data, groups, group_size});
+  };
+  auto with_zero_points = [&](auto bits, auto bfloat16_scales) {
+    if (zero_data) {
+      with_layout(bits, bfloat16_scales, std::true_type{});
+    } else {
+      with_layout(bits, bfloat16_scales, std::false_type{});
+    }
+  };
+  auto with_scales = [&](auto bits) {
+    if (scales.scalar_type() == at::kBFloat16) {
+      with_zero_points(bits, std::true_type{});
+    } else {
+      with_zero_points(bits, std::false_type{});
+    }
+  };
+  if (num_bits == 8) {
+    with_scales(std::integral_constant<int64_t, kInt8Values>{});
+  } else {
+    with_scales(std::integral_constant<int64_t, kInt4Values>{});
+  }
+}
+
+void group_quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& values, int64_t num_bits,
+                        const at::Tensor& scales, const std::optional<at::Tensor>& zero_points, int64_t group_size,
+                        int64_t max_fused_rows) {
+  with_group_weight(values, num_bits, scales, zero_points, group_size, [&](const auto& weight) {
+    quantized_linear(out, x, weight, values.size(0), scales.size(1) * group_size, max_fused_rows);
+  });
+}
+
+void group_quant_dequantize(const at::Tensor& out, const at::Tensor& values, int64_t num_bits,
+                            const at::Tensor& scales, const std::optional<at::Tensor>& zero_points,
+                            int64_t group_size) {
+  with_group_weight(values, num_bits, scales, zero_points, group_size, [&](const auto& weight) {
+    dequantize_rows(out, weight, values.size(0), scales.size(1) * group_size);
   });
 }
 
@@ -468,9 +636,15 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("block_quant_linear(Tensor(a!) out, Tensor x, Tensor data, int format, int in_features, int max_fused_rows)"
         " -> ()");
   m.def("block_quant_dequantize(Tensor(a!) out, Tensor data, int format, int in_features) -> ()");
+  m.def("group_quant_linear(Tensor(a!) out, Tensor x, Tensor values, int num_bits, Tensor scales, "
+        "Tensor? zero_points, int group_size, int max_fused_rows) -> ()");
+  m.def("group_quant_dequantize(Tensor(a!) out, Tensor values, int num_bits, Tensor scales, Tensor? zero_points, "
+        "int group_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("block_quant_linear", &kvserve::block_quant_linear);
   m.impl("block_quant_dequantize", &kvserve::block_quant_dequantize);
+  m.impl("group_quant_linear", &kvserve::group_quant_linear);
+  m.impl("group_quant_dequantize", &kvserve::group_quant_dequantize);
 }
