@@ -1,7 +1,8 @@
-"""Group-quantized (compressed-tensors) linear layers on a CPU at the Qwen2-0.5B layer shapes: kvserve's path for
-them (the torch path: 512 rows widened at a time, then a float32 GEMM) against the dense float32 path (oneDNN on a
-packed weight, what an unquantized model runs), and, for scale, torch's own int8 weight kernel
-(`torch._weight_int8pack_mm`, a scale per channel) on float32 and on bfloat16 inputs.
+"""Group-quantized (compressed-tensors) linear layers on a CPU at the Qwen2-0.5B layer shapes: kvserve's C++ kernels
+(integer values; kernels/csrc/cpu_block_quant.cpp) and its torch path (512 rows widened at a time, then a float32
+GEMM; float8 values take it) against the dense float32 path (oneDNN on a packed weight, what an unquantized model
+runs), and, for scale, torch's own int8 weight kernel (`torch._weight_int8pack_mm`, a scale per channel) on float32
+and on bfloat16 inputs.
 
     .venv/bin/python -m benchmarks.group_quant_gemm [--rows 1,8,32] [--schemes int8-channel,int4-g128,...]
 
@@ -15,6 +16,8 @@ import torch
 
 from benchmarks.block_quant_gemm import LAYER, time_us
 from kvserve.kernels import onednn
+from kvserve.kernels.cpu_backend import CpuBackend
+from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear
 
 # scheme: (bits, group size (None: the row), zero points, value dtype)
@@ -46,6 +49,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     args = parser.parse_args()
+    assert load_cpu_kernels(), "the C++ kernels could not be built"
+    cpu = CpuBackend()
     dense = {name: onednn.pack(torch.randn(n, k) * 0.05) for name, (k, n) in LAYER.items()}
     int8 = {name: random_weight("int8-channel", n, k) for name, (k, n) in LAYER.items()}
 
@@ -66,7 +71,9 @@ def main() -> None:
         for scheme in args.schemes.split(","):
             weights = {name: random_weight(scheme, n, k) for name, (k, n) in LAYER.items()}
             torch_us = layer_us(lambda x, s, w=weights: chunked_group_quantized_linear(x, w[s], None))
-            print(f"  {scheme:16} torch path {torch_us:8.0f}  ({torch_us / dense_us:.1f}x dense)")
+            kvserve_us = layer_us(lambda x, s, w=weights: cpu.group_quantized_linear(x, w[s], None))
+            print(f"  {scheme:16} kvserve {kvserve_us:8.0f} ({kvserve_us / dense_us:.2f}x dense); torch path "
+                  f"{torch_us:8.0f} ({torch_us / dense_us:.1f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
