@@ -72,9 +72,10 @@ def tolerance(checkpoint: Path) -> float:
 
 # The parity models' KV blocks: 2 layers x 2 heads x 32 values, K and V, float32: 16 tokens take 16 KiB.
 BLOCK_BYTES = 2 * 2 * 2 * 32 * 4 * 16
-# HF's default for these checkpoints keeps them compressed, which runs on a CPU for none of them (transformers
-# 5.24-5.25 cannot even load zero points packed along the rows); decompressed, every scheme loads, with the
-# weights bit for bit, but not the inputs' quantization (`quantize_inputs_as_compressed_tensors_does`).
+# HF's default for these checkpoints keeps them compressed, which runs on a CPU for none of them (transformers 5.24,
+# with compressed-tensors 0.19 or 0.20, could not even load zero points packed along the rows); decompressed, every
+# scheme loads, with the weights bit for bit, but not the inputs' quantization
+# (`quantize_inputs_as_compressed_tensors_does`).
 DECOMPRESSED = CompressedTensorsConfig(run_compressed=False)
 
 
