@@ -21,6 +21,7 @@ from kvserve.kernels import TorchBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kvcache import BlockAllocator, KVCache, KVCacheSpec
 from kvserve.scheduler import FinishReason, Request, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from tests.test_parity import recorded_graph_replays
 
 META = torch.device("meta")
 
@@ -128,10 +129,7 @@ def test_padded_decode_graphs_give_the_eager_tokens(tiny_checkpoints):
     llm = LLM(model_dir, eager_graph_replay=True, **settings)
     graphs = llm.engine.core.runner.worker.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 5]
-    replays = []
-    for size, graph in graphs.graphs.items():
-        replay = graph.replay
-        graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+    replays = recorded_graph_replays(llm)
     padding_block = llm.engine.core.kv_cache.padding_block
     outputs = llm.generate(prompts, params)
 

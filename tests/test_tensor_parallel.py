@@ -17,7 +17,12 @@ from kvserve.engine.models.rope import RopeConfig
 from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.testing.tiny_checkpoint import write_random_checkpoint
-from tests.test_parity import assert_matches_hf, assert_prefix_cached_run_matches_hf, build_hf_reference
+from tests.test_parity import (
+    assert_matches_hf,
+    assert_prefix_cached_run_matches_hf,
+    build_hf_reference,
+    recorded_graph_replays,
+)
 
 # Batches of at most 4 requests, 20 tokens a step (prompts in chunks beside decodes), and 10 blocks: each rank
 # holds half the KV heads, so half of test_parity's bytes for 10 blocks. Every path but the prefix cache at once.
@@ -135,10 +140,7 @@ def test_decode_graphs_replayed_on_both_ranks_give_hf_tokens(tiny_checkpoints):
     with LLM(str(model_dir), tensor_parallel_size=2, eager_graph_replay=True, **SPLIT_PATH) as llm:
         graphs = llm.engine.core.runner.worker.decode_graphs
         assert sorted(graphs.graphs) == [1, 2, 4]
-        replays = []
-        for size, graph in graphs.graphs.items():
-            replay = graph.replay
-            graph.replay = lambda size=size, replay=replay: replays.append(size) or replay()
+        replays = recorded_graph_replays(llm)
         assert_matches_hf(llm, build_hf_reference(model_dir), "chunked_preempting")
     assert {3, 4} & set(replays)  # batches of 3 padded to 4, or full ones, were replayed
 
