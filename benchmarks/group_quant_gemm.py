@@ -1,6 +1,6 @@
 """Group-quantized (compressed-tensors) linear layers on a CPU at the Qwen2-0.5B layer shapes: kvserve's C++ kernels
-(integer values; kernels/csrc/cpu_block_quant.cpp) and its torch path (512 rows widened at a time, then a float32
-GEMM; float8 values take it) against the dense float32 path (oneDNN on a packed weight, what an unquantized model
+(kernels/csrc/cpu_block_quant.cpp) and its torch path (512 rows widened at a time, then a float32 GEMM; float16
+scales take it) against the dense float32 path (oneDNN on a packed weight, what an unquantized model
 runs), and, for scale, torch's own int8 weight kernel (`torch._weight_int8pack_mm`, a scale per channel) on float32
 and on bfloat16 inputs.
 

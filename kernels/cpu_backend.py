@@ -108,10 +108,6 @@ class CpuBackend:
 
 
 def _cpp_takes(weight: GroupQuantizedWeight) -> bool:
-    """The C++ kernels' group layouts: integer values, float32 or bfloat16 scales, groups of a multiple of 32 (float8
-    values, float16 scales and other groups take the torch path)."""
-    return (
-        weight.values.dtype != torch.float8_e4m3fn
-        and weight.scales.dtype in (torch.float32, torch.bfloat16)
-        and weight.group_size % 32 == 0
-    )
+    """The C++ kernels' group layouts: float32 or bfloat16 scales, groups of a multiple of 32 (float16 scales and
+    other groups take the torch path)."""
+    return weight.scales.dtype in (torch.float32, torch.bfloat16) and weight.group_size % 32 == 0

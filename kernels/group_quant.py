@@ -16,9 +16,9 @@ Some schemes also quantize a layer's input, dynamically per token (W8A8: int8; F
 then multiplies the input's quantized-and-dequantized values (`quantize_activations`), as compressed-tensors' own
 forward does, so the products are those of the quantized operands.
 
-On a CPU the C++ kernels (kernels/csrc/cpu_block_quant.cpp) compute integer values with float32 or bfloat16 scales,
-widened in registers as `dequantize` widens them; float8 values, float16 scales and other devices take the torch
-path here (`chunked_group_quantized_linear`).
+On a CPU the C++ kernels (kernels/csrc/cpu_block_quant.cpp) compute every value type with float32 or bfloat16
+scales in groups of a multiple of 32, widened in registers as `dequantize` widens them; float16 scales, other groups
+and other devices take the torch path here (`chunked_group_quantized_linear`).
 """
 
 from dataclasses import dataclass

@@ -218,9 +218,15 @@ def test_the_torch_path_matches_the_reference_and_quantizes_inputs():
     assert not torch.allclose(group_quantized_linear(x, with_inputs, bias), reference, atol=1e-4)
 
 
-def _random_weight(num_bits: int, scale_dtype, zero_points: bool, group_size: int, rows: int = 40, columns: int = 256):
-    generator = torch.Generator().manual_seed(num_bits + group_size + zero_points)
-    if num_bits == 8:
+def _random_weight(kind, scale_dtype, zero_points: bool, group_size: int, rows: int = 40, columns: int = 256):
+    """`kind`: 8 or 4 (bits of integer values) or "fp8" (every float8 e4m3fn byte but NaN's, in turn)."""
+    generator = torch.Generator().manual_seed(group_size + zero_points)
+    num_bits = 4 if kind == 4 else 8
+    if kind == "fp8":
+        finite = torch.arange(256, dtype=torch.uint8)
+        finite = finite[(finite & 0x7F) != 0x7F]
+        values = finite[torch.arange(rows * columns) % len(finite)].reshape(rows, columns).view(torch.float8_e4m3fn)
+    elif kind == 8:
         values = torch.randint(-128, 128, (rows, columns), dtype=torch.int8, generator=generator)
     else:
         values = torch.randint(0, 256, (rows, columns // 2), dtype=torch.uint8, generator=generator)
@@ -230,20 +236,19 @@ def _random_weight(num_bits: int, scale_dtype, zero_points: bool, group_size: in
 
 
 @pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels could not be built here")
-@pytest.mark.parametrize("num_bits", [8, 4])
+@pytest.mark.parametrize(("kind", "zero_points"), [(8, False), (8, True), (4, False), (4, True), ("fp8", False)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("zero_points", [False, True])
 @pytest.mark.parametrize("group_size", [32, 256])
 def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_rounding(
-    num_bits, scale_dtype, zero_points, group_size
+    kind, zero_points, scale_dtype, group_size
 ):
-    """Every layout the C++ kernels take: the weight widened bit for bit as the reference dequantizes it (a bfloat16
-    product rounded to bfloat16), and the linear layer within float32 rounding of the reference on 1-4 rows (one pass
-    over the weight), 7 (the register tile) and 70 (widened chunks and a GEMM)."""
-    weight = _random_weight(num_bits, scale_dtype, zero_points, group_size)
+    """Every layout the C++ kernels take: the weight widened bit for bit as the reference dequantizes it (float8's
+    subnormals too; a bfloat16 product rounded to bfloat16), and the linear layer within float32 rounding of the
+    reference on 1-4 rows (one pass over the weight), 7 (the register tile) and 70 (widened chunks and a GEMM)."""
+    weight = _random_weight(kind, scale_dtype, zero_points, group_size)
     widened = torch.empty(weight.out_features, weight.in_features)
     torch.ops.kvserve_cpu.group_quant_dequantize(
-        widened, weight.values, num_bits, weight.scales, weight.zero_points, group_size
+        widened, weight.values, weight.num_bits, weight.scales, weight.zero_points, group_size
     )
     assert torch.equal(widened, dequantize(weight))
     for rows in (1, 3, 7, 70):
@@ -254,15 +259,15 @@ def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_roun
 
 
 @pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels could not be built here")
-def test_the_cpu_backend_quantizes_inputs_and_sends_float8_to_the_torch_path():
+def test_the_cpu_backend_quantizes_inputs_and_sends_float16_scales_to_the_torch_path():
     x = torch.randn(5, 256)
-    with_inputs = replace(_random_weight(8, torch.float32, False, 256), activations="int8")
-    assert torch.allclose(CpuBackend().group_quantized_linear(x, with_inputs, None),
-                          group_quantized_linear(x, with_inputs, None), atol=1e-4)  # fmt: skip
-    fp8 = GroupQuantizedWeight(torch.randn(40, 256).to(torch.float8_e4m3fn), 8, torch.rand(40, 1), None, 256, 256,
-                               "fp8")  # fmt: skip
-    assert torch.allclose(CpuBackend().group_quantized_linear(x, fp8, None), group_quantized_linear(x, fp8, None),
-                          atol=1e-4)  # fmt: skip
+    for activations in ("int8", "fp8"):
+        with_inputs = replace(_random_weight(8, torch.float32, False, 256), activations=activations)
+        assert torch.allclose(CpuBackend().group_quantized_linear(x, with_inputs, None),
+                              group_quantized_linear(x, with_inputs, None), atol=1e-4)  # fmt: skip
+    half_scales = _random_weight(8, torch.float16, False, 32)
+    assert torch.allclose(CpuBackend().group_quantized_linear(x, half_scales, None),
+                          group_quantized_linear(x, half_scales, None), atol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("num_bits", [4, 8])

@@ -281,7 +281,7 @@ struct BlockWeight {
 // Group-quantized values (compressed-tensors', kernels/group_quant.py): a scale per group of `group_size` values of
 // a row, and with zero points one a group; w = (q - zero point) * scale in the scales' dtype, as the package
 // dequantizes (a bfloat16 product is rounded to bfloat16; the difference q - zero point is exact in either).
-enum GroupValues : int64_t { kInt8Values = 8, kInt4Values = 4 };
+enum GroupValues : int64_t { kInt8Values = 8, kInt4Values = 4, kFloat8Values = 9 };
 
 // Eight 4-bit values from one little-endian word (value i in bits 4i..4i+3, stored as q + 8), as q.
 inline Float8 nibbles8(const uint8_t* p) {
@@ -289,6 +289,15 @@ inline Float8 nibbles8(const uint8_t* p) {
   std::memcpy(&word, p, sizeof word);
   const Uint32x8 q = ((Uint32x8{} + word) >> Uint32x8{0, 4, 8, 12, 16, 20, 24, 28}) & 15u;
   return __builtin_convertvector((Int32x8)q, Float8) - 8.0f;
+}
+
+// Eight float8 e4m3fn values widened exactly: each byte's sign, exponent and mantissa bits moved into a float16's
+// places make a float16 2^8 times too small (its exponent bias is 15, e4m3's 7; subnormals included), which the
+// float16 conversion widens and one multiply puts right. Its one NaN pattern is not special-cased: weights hold none.
+inline Float8 float8_e4m3_8(const uint8_t* p) {
+  const Uint16x8 bytes = __builtin_convertvector(vector_at<Uint8x8>(p), Uint16x8);
+  const Uint16x8 halves = ((bytes & 0x80) << 8) | ((bytes & 0x7F) << 7);
+  return half8(reinterpret_cast<const uint8_t*>(&halves)) * 256.0f;
 }
 
 // Round to the nearest bfloat16 (ties to even), as a float32.
@@ -325,6 +334,8 @@ struct GroupRow {
       Float8 q;
       if constexpr (Values == kInt8Values) {
         q = widen8_signed(values + unit * 32 + 8 * c);
+      } else if constexpr (Values == kFloat8Values) {
+        q = float8_e4m3_8(values + unit * 32 + 8 * c);
       } else {
         q = nibbles8(values + unit * 16 + 4 * c);
       }
@@ -565,8 +576,9 @@ void block_quant_dequantize(const at::Tensor& out, const at::Tensor& data, int64
   });
 }
 
-// fn(weight) with the group weight of these tensors (kernels/group_quant.py's GroupQuantizedWeight: int8 values, or
-// uint8 holding two 4-bit ones; float32 or bfloat16 scales [rows, groups]; int8 zero points like them, or none).
+// fn(weight) with the group weight of these tensors (kernels/group_quant.py's GroupQuantizedWeight: int8 or float8
+// values, or uint8 holding two 4-bit ones; float32 or bfloat16 scales [rows, groups]; int8 zero points like them, or
+// none).
 template <typename Fn>
 void with_group_weight(const at::Tensor& values, int64_t num_bits, const at::Tensor& scales,
                        const std::optional<at::Tensor>& zero_points, int64_t group_size, Fn&& fn) {
@@ -575,9 +587,10 @@ void with_group_weight(const at::Tensor& values, int64_t num_bits, const at::Ten
   TORCH_CHECK(values.dim() == 2 && values.is_contiguous() && scales.dim() == 2 && scales.is_contiguous() &&
                   scales.size(0) == rows && group_size % 32 == 0,
               "group_quant: contiguous values [rows, ...] and scales [rows, groups], groups of a multiple of 32");
-  TORCH_CHECK((num_bits == 8 && values.scalar_type() == at::kChar && values.size(1) == in_features) ||
+  const bool float8 = values.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((num_bits == 8 && (values.scalar_type() == at::kChar || float8) && values.size(1) == in_features) ||
                   (num_bits == 4 && values.scalar_type() == at::kByte && values.size(1) * 2 == in_features),
-              "group_quant: 8-bit values are int8 [rows, in], 4-bit ones uint8 [rows, in / 2]");
+              "group_quant: 8-bit values are int8 or float8_e4m3fn [rows, in], 4-bit ones uint8 [rows, in / 2]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
               "group_quant: scales are float32 or bfloat16");
   if (zero_points) {
@@ -606,7 +619,9 @@ void with_group_weight(const at::Tensor& values, int64_t num_bits, const at::Ten
       with_zero_points(bits, std::false_type{});
     }
   };
-  if (num_bits == 8) {
+  if (float8) {
+    with_scales(std::integral_constant<int64_t, kFloat8Values>{});
+  } else if (num_bits == 8) {
     with_scales(std::integral_constant<int64_t, kInt8Values>{});
   } else {
     with_scales(std::integral_constant<int64_t, kInt4Values>{});
