@@ -17,7 +17,7 @@ from pathlib import Path
 
 from benchmarks.vs_llama_cpp import qwen2_0_5b_dir
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.models.layers import Linear
+from kvserve.engine.models.layers import weight_bytes
 
 SCHEMES = ("W8A16", "W4A16")
 # Runs in llm-compressor's environment: round-to-nearest quantization needs no calibration data.
@@ -45,19 +45,10 @@ def quantized_dir(llmc_python: str, source: Path, scheme: str) -> Path:
     return out
 
 
-def weight_bytes(llm: LLM) -> int:
-    model = llm.engine.core.runner.worker.model
-    held = {parameter.data_ptr(): parameter.nbytes for parameter in model.parameters()}
-    for module in model.modules():
-        if isinstance(module, Linear) and module.grouped is not None:
-            held.update({tensor.data_ptr(): tensor.nbytes for tensor in module.grouped.tensors()})
-    return sum(held.values())
-
-
 def run(model: Path) -> dict[str, float]:
     results = {}
     with LLM(str(model), kv_cache_memory_bytes=KV_CACHE_BYTES, max_num_seqs=32) as llm:
-        results["weights MiB"] = weight_bytes(llm) / 2**20
+        results["weights MiB"] = weight_bytes(llm.engine.core.runner.worker.model) / 2**20
         params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
         llm.generate([[5, 6, 7, 8]], params)  # warm-up
         for batch, requests in BATCHES.items():

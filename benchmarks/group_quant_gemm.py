@@ -20,7 +20,7 @@ from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear
 
-# scheme: (bits, group size (None: the row), zero points, value dtype)
+# scheme: (values: bits or "fp8", group size (None: the row), zero points)
 SCHEMES = {
     "int8-channel": (8, None, False),
     "int4-g128": (4, 128, False),
@@ -29,19 +29,12 @@ SCHEMES = {
 }
 
 
-def random_weight(scheme: str, rows: int, in_features: int) -> GroupQuantizedWeight:
-    bits, group_size, asymmetric = SCHEMES[scheme]
-    group_size = group_size or in_features
-    groups = in_features // group_size
-    scales = torch.rand(rows, groups) / 100
-    zero_points = torch.randint(-8, 8, (rows, groups), dtype=torch.int8) if asymmetric else None
-    if bits == 4:
-        values = torch.randint(0, 256, (rows, in_features // 2), dtype=torch.uint8)
-    elif bits == 8:
-        values = torch.randint(-128, 128, (rows, in_features), dtype=torch.int8)
-    else:
-        values = torch.randn(rows, in_features).to(torch.float8_e4m3fn)
-    return GroupQuantizedWeight(values, 4 if bits == 4 else 8, scales, zero_points, group_size, in_features)
+def scheme_weight(scheme: str, rows: int, in_features: int) -> GroupQuantizedWeight:
+    """Random values and small scales (as tests/test_compressed_tensors.py makes them) in `scheme`."""
+    from tests.test_compressed_tensors import random_weight
+
+    kind, group_size, zero_points = SCHEMES[scheme]
+    return random_weight(kind, torch.float32, zero_points, group_size or in_features, rows, in_features)
 
 
 def main() -> None:
@@ -52,7 +45,7 @@ def main() -> None:
     assert load_cpu_kernels(), "the C++ kernels could not be built"
     cpu = CpuBackend()
     dense = {name: onednn.pack(torch.randn(n, k) * 0.05) for name, (k, n) in LAYER.items()}
-    int8 = {name: random_weight("int8-channel", n, k) for name, (k, n) in LAYER.items()}
+    int8 = {name: scheme_weight("int8-channel", n, k) for name, (k, n) in LAYER.items()}
 
     def layer_us(call, dtype=torch.float32) -> float:
         return sum(time_us(lambda x, s=shape: call(x, s), torch.randn(rows, k, dtype=dtype))
@@ -69,7 +62,7 @@ def main() -> None:
         print(f"rows {rows}: dense float32 {dense_us:.0f}; torch._weight_int8pack_mm float32 inputs {int8pack_us:.0f}, "
               f"bfloat16 inputs {int8pack_bf16_us:.0f}")  # fmt: skip
         for scheme in args.schemes.split(","):
-            weights = {name: random_weight(scheme, n, k) for name, (k, n) in LAYER.items()}
+            weights = {name: scheme_weight(scheme, n, k) for name, (k, n) in LAYER.items()}
             torch_us = layer_us(lambda x, s, w=weights: chunked_group_quantized_linear(x, w[s], None))
             kvserve_us = layer_us(lambda x, s, w=weights: cpu.group_quantized_linear(x, w[s], None))
             print(f"  {scheme:16} kvserve {kvserve_us:8.0f} ({kvserve_us / dense_us:.2f}x dense); torch path "

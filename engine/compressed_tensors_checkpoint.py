@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from kvserve.engine.models.layers import Linear
+from kvserve.engine.models.layers import Linear, weight_bytes
 from kvserve.engine.parallel.sharding import ShardPlan, TensorParallelError
 from kvserve.kernels.group_quant import (
     GroupQuantError,
@@ -169,24 +168,21 @@ def _activations(where: str, inputs: dict | None) -> str | None:
 
 
 class CheckpointTensors:
-    """The checkpoint's tensors by name, read on demand from its safetensors files."""
+    """The checkpoint's tensors by name, read on demand from its open safetensors files (the loader opens them, so
+    that a file that cannot be read is named as for any checkpoint)."""
 
-    def __init__(self, files: list[Path]) -> None:
-        self._file_of = {}
-        for path in files:
-            with safe_open(str(path), framework="pt") as shard:
-                self._file_of.update(dict.fromkeys(shard.keys(), path))
+    def __init__(self, shards: list) -> None:
+        self._shard_of = {name: shard for shard in shards for name in shard.keys()}  # noqa: SIM118 - no __iter__
         self.consumed: set[str] = set()
 
     def names(self) -> list[str]:
-        return list(self._file_of)
+        return list(self._shard_of)
 
     def take(self, name: str) -> torch.Tensor:
-        if name not in self._file_of:
+        if name not in self._shard_of:
             raise CompressedTensorsError(f"the checkpoint lacks {name}")
         self.consumed.add(name)
-        with safe_open(str(self._file_of[name]), framework="pt") as shard:
-            return shard.get_tensor(name)
+        return self._shard_of[name].get_tensor(name)
 
 
 def load_weight(tensors: CheckpointTensors, module: str, scheme: WeightScheme) -> GroupQuantizedWeight:
@@ -289,7 +285,7 @@ def _rank_share(weight: GroupQuantizedWeight, plan: ShardPlan, weight_name: str)
     if share is None:
         return weight
     if share.dim == 0:
-        return weight.rows(share.start, share.length)
+        return weight.rows(share.start, share.length).clone()
     try:
         return weight.columns(share.start, share.length)
     except GroupQuantError as error:
@@ -319,12 +315,8 @@ def check_splits_groups(config: QuantizationConfig, decoder_config, size: int) -
 def log_loaded(model, config: QuantizationConfig, quantized_layers: int, file_bytes: int) -> None:
     """The start-up log's line: the schemes, how many layers use them and the bytes the weights take (beside the
     bytes of the checkpoint's files)."""
-    held = {parameter.data_ptr(): parameter.nbytes for parameter in model.parameters()}
-    for module in model.modules():
-        if isinstance(module, Linear) and module.grouped is not None:
-            held.update({tensor.data_ptr(): tensor.nbytes for tensor in module.grouped.tensors()})
     logger.info(
         "compressed-tensors: %s; %d linear layers quantized; weights held in %.1f MiB (the checkpoint's files: "
         "%.1f MiB)", "; ".join(scheme.describe() for scheme in config.schemes), quantized_layers,
-        sum(held.values()) / 2**20, file_bytes / 2**20,
+        weight_bytes(model) / 2**20, file_bytes / 2**20,
     )  # fmt: skip

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from kvserve.engine.models.layers import Linear, QuantizedEmbedding
+from kvserve.engine.models.layers import Linear, QuantizedEmbedding, weight_bytes
 from kvserve.engine.parallel.sharding import ShardPlan, TensorParallelError
 from kvserve.kernels.block_quant import (
     FORMATS,
@@ -314,16 +314,10 @@ def _rank_slice(weight: QuantizedWeight, plan: ShardPlan, hf_name: str) -> Quant
 
 def log_loaded(model, file: GgufFile) -> None:
     """The start-up log's line on the file: its format, tensor types and the bytes the weights take."""
-    held = {parameter.data_ptr(): parameter.nbytes for parameter in model.parameters()}
-    for module in model.modules():
-        if isinstance(module, Linear) and module.quantized is not None:
-            held.update({segment.data.data_ptr(): segment.nbytes for segment in module.quantized})
-        elif isinstance(module, QuantizedEmbedding):
-            held[module.quantized.data.data_ptr()] = module.quantized.nbytes
     types = ", ".join(f"{count} {name}" for name, count in sorted(file.type_counts().items()))
     logger.info(
         "GGUF %s (%s): tensors %s; weights held in %.1f MiB (the file's tensors: %.1f MiB)",
-        file.path.name, file.architecture, types, sum(held.values()) / 2**20, file.tensor_bytes() / 2**20,
+        file.path.name, file.architecture, types, weight_bytes(model) / 2**20, file.tensor_bytes() / 2**20,
     )  # fmt: skip
 
 

@@ -7,7 +7,7 @@ code when unpickled, and `trust_remote_code` is never set, so a checkpoint canno
 """
 
 import json
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -79,8 +79,10 @@ def load_model(
     if gguf_file is not None:
         quantize_layers(model, gguf_file)
     elif quantization is not None:
-        tensors = compressed_tensors_checkpoint.CheckpointTensors(_safetensors_files(model_dir))
-        quantized_layers = compressed_tensors_checkpoint.quantize_layers(model, quantization, tensors, device)
+        with ExitStack() as files:
+            shards = [files.enter_context(_open_shard(path)) for path in _safetensors_files(model_dir)]
+            tensors = compressed_tensors_checkpoint.CheckpointTensors(shards)
+            quantized_layers = compressed_tensors_checkpoint.quantize_layers(model, quantization, tensors, device)
     model.to_empty(device=device)
     model.tie_weights()
     if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases

@@ -77,36 +77,40 @@ class GroupQuantizedWeight:
         return [t for t in (self.values, self.scales, self.zero_points) if t is not None]
 
     def rows(self, start: int, length: int) -> "GroupQuantizedWeight":
-        """Output features [start, start + length), as copies (a view would keep the whole weight alive)."""
-        return self._with(
-            self.values[start : start + length].clone(),
-            self.scales[start : start + length].clone(),
-            None if self.zero_points is None else self.zero_points[start : start + length].clone(),
-            self.in_features,
-        )
+        """Output features [start, start + length), as views."""
+        zero_points = None if self.zero_points is None else self.zero_points[start : start + length]
+        return self._with(self.values[start : start + length], self.scales[start : start + length], zero_points,
+                          self.in_features)  # fmt: skip
 
     def columns(self, start: int, length: int) -> "GroupQuantizedWeight":
         """Input features [start, start + length): whole groups only, unless a row is one group (a scale per
         channel), whose scale holds for any of its features."""
+        per_value = 2 if self.num_bits == 4 else 1
         if self.group_size == self.in_features:
-            per_value = 2 if self.num_bits == 4 else 1
             if start % per_value or length % per_value:
                 raise GroupQuantError(f"4-bit values are two a byte: columns {start}..{start + length} split one")
-            values = self.values[:, start // per_value : (start + length) // per_value].contiguous()
-            return GroupQuantizedWeight(values, self.num_bits, self.scales.clone(), None if self.zero_points is None
-                                        else self.zero_points.clone(), length, length, self.activations)  # fmt: skip
-        if start % self.group_size or length % self.group_size:
-            raise GroupQuantError(
-                f"groups of {self.group_size} input features: columns {start}..{start + length} cut through one"
-            )
-        per_value = 2 if self.num_bits == 4 else 1
-        first, count = start // self.group_size, length // self.group_size
-        return self._with(
+            group_size, first_group, groups = length, 0, 1
+        else:
+            if start % self.group_size or length % self.group_size:
+                raise GroupQuantError(
+                    f"groups of {self.group_size} input features: columns {start}..{start + length} cut through one"
+                )
+            group_size, first_group, groups = self.group_size, start // self.group_size, length // self.group_size
+        share = slice(first_group, first_group + groups)
+        return GroupQuantizedWeight(
             self.values[:, start // per_value : (start + length) // per_value].contiguous(),
-            self.scales[:, first : first + count].contiguous(),
-            None if self.zero_points is None else self.zero_points[:, first : first + count].contiguous(),
+            self.num_bits,
+            self.scales[:, share].contiguous(),
+            None if self.zero_points is None else self.zero_points[:, share].contiguous(),
+            group_size,
             length,
+            self.activations,
         )
+
+    def clone(self) -> "GroupQuantizedWeight":
+        """Copies of its tensors (a view of a slice would keep the whole weight's alive)."""
+        zero_points = None if self.zero_points is None else self.zero_points.clone()
+        return self._with(self.values.clone(), self.scales.clone(), zero_points, self.in_features)
 
     def to(self, device: torch.device) -> "GroupQuantizedWeight":
         if self.values.device == device:
@@ -206,13 +210,7 @@ def chunked_group_quantized_linear(
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32, device=x.device)
     for start in range(0, weight.out_features, CHUNK_ROWS):
         length = min(CHUNK_ROWS, weight.out_features - start)
-        out[:, start : start + length] = x_float @ dequantize(_row_view(weight, start, length)).T
+        out[:, start : start + length] = x_float @ dequantize(weight.rows(start, length)).T
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
-
-
-def _row_view(weight: GroupQuantizedWeight, start: int, length: int) -> GroupQuantizedWeight:
-    zero_points = None if weight.zero_points is None else weight.zero_points[start : start + length]
-    return weight._with(weight.values[start : start + length], weight.scales[start : start + length], zero_points,
-                        weight.in_features)  # fmt: skip

@@ -36,7 +36,8 @@ from kvserve.engine.compressed_tensors_checkpoint import (
     load_weight,
     quantization_config,
 )
-from kvserve.engine.models.layers import Linear
+from kvserve.engine.model_loader import CheckpointError
+from kvserve.engine.models.layers import Linear, weight_bytes
 from kvserve.engine.parallel.sharding import TensorParallelError
 from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
@@ -152,7 +153,7 @@ def test_weights_are_hfs_bit_for_bit(checkpoint):
     the config quantizes is held quantized, the others (W8A8's second MLP) dense."""
     hf = hf_model(checkpoint)
     config = quantization_config(checkpoint)
-    tensors = CheckpointTensors([checkpoint / "model.safetensors"])
+    tensors = CheckpointTensors([safe_open(str(checkpoint / "model.safetensors"), framework="pt")])
     quantized = 0
     for name, module in hf.named_modules():
         scheme = config.scheme_for(name) if isinstance(module, torch.nn.Linear) else None
@@ -179,12 +180,7 @@ def test_weights_stay_compressed_in_memory():
         with safe_open(str(path / "model.safetensors"), framework="pt") as shard:
             file_bytes = sum(shard.get_tensor(key).nbytes for key in shard.keys())  # noqa: SIM118
         with LLM(str(path), dtype="bfloat16" if name.endswith("bf16") else "float32") as llm:
-            model = llm.engine.core.runner.worker.model
-            held = {parameter.data_ptr(): parameter.nbytes for parameter in model.parameters()}
-            for module in model.modules():
-                if isinstance(module, Linear) and module.grouped is not None:
-                    held.update({tensor.data_ptr(): tensor.nbytes for tensor in module.grouped.tensors()})
-            assert file_bytes * 0.9 <= sum(held.values()) <= file_bytes * 1.1, name
+            assert file_bytes * 0.9 <= weight_bytes(llm.engine.core.runner.worker.model) <= file_bytes * 1.1, name
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -200,26 +196,11 @@ def test_inputs_are_quantized_as_compressed_tensors_quantizes_them(kind):
     assert not torch.equal(ours, x)
 
 
-def _int8_weight(rows: int, columns: int, group_size: int, activations: str | None = None) -> GroupQuantizedWeight:
-    generator = torch.Generator().manual_seed(rows + columns)
-    values = torch.randint(-128, 128, (rows, columns), dtype=torch.int8, generator=generator)
-    scales = torch.rand(rows, columns // group_size, generator=generator) / 100
-    return GroupQuantizedWeight(values, 8, scales, None, group_size, columns, activations)
-
-
-def test_the_torch_path_matches_the_reference_and_quantizes_inputs():
-    weight = _int8_weight(600, 64, 32)  # more rows than one chunk
-    x, bias = torch.randn(3, 64), torch.randn(600)
-    reference = group_quantized_linear(x, weight, bias)
-    assert torch.allclose(chunked_group_quantized_linear(x, weight, bias), reference, atol=1e-5)
-    with_inputs = _int8_weight(600, 64, 32, activations="int8")
-    assert torch.allclose(chunked_group_quantized_linear(x, with_inputs, bias),
-                          group_quantized_linear(x, with_inputs, bias), atol=1e-5)  # fmt: skip
-    assert not torch.allclose(group_quantized_linear(x, with_inputs, bias), reference, atol=1e-4)
-
-
-def _random_weight(kind, scale_dtype, zero_points: bool, group_size: int, rows: int = 40, columns: int = 256):
-    """`kind`: 8 or 4 (bits of integer values) or "fp8" (every float8 e4m3fn byte but NaN's, in turn)."""
+def random_weight(
+    kind, scale_dtype=torch.float32, zero_points: bool = False, group_size: int = 32, rows: int = 40, columns: int = 256
+) -> GroupQuantizedWeight:
+    """`kind`: 8 or 4 (bits of integer values) or "fp8" (every float8 e4m3fn byte but NaN's, in turn); small scales
+    (benchmarks/group_quant_gemm.py times these too)."""
     generator = torch.Generator().manual_seed(group_size + zero_points)
     num_bits = 4 if kind == 4 else 8
     if kind == "fp8":
@@ -235,6 +216,17 @@ def _random_weight(kind, scale_dtype, zero_points: bool, group_size: int, rows: 
     return GroupQuantizedWeight(values, num_bits, scales, zeros, group_size, columns)
 
 
+def test_the_torch_path_matches_the_reference_and_quantizes_inputs():
+    weight = random_weight(8, rows=600, columns=64)  # more rows than one chunk
+    x, bias = torch.randn(3, 64), torch.randn(600)
+    reference = group_quantized_linear(x, weight, bias)
+    assert torch.allclose(chunked_group_quantized_linear(x, weight, bias), reference, atol=1e-5)
+    with_inputs = replace(weight, activations="int8")
+    assert torch.allclose(chunked_group_quantized_linear(x, with_inputs, bias),
+                          group_quantized_linear(x, with_inputs, bias), atol=1e-5)  # fmt: skip
+    assert not torch.allclose(group_quantized_linear(x, with_inputs, bias), reference, atol=1e-4)
+
+
 @pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ kernels could not be built here")
 @pytest.mark.parametrize(("kind", "zero_points"), [(8, False), (8, True), (4, False), (4, True), ("fp8", False)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
@@ -245,7 +237,7 @@ def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_roun
     """Every layout the C++ kernels take: the weight widened bit for bit as the reference dequantizes it (float8's
     subnormals too; a bfloat16 product rounded to bfloat16), and the linear layer within float32 rounding of the
     reference on 1-4 rows (one pass over the weight), 7 (the register tile) and 70 (widened chunks and a GEMM)."""
-    weight = _random_weight(kind, scale_dtype, zero_points, group_size)
+    weight = random_weight(kind, scale_dtype, zero_points, group_size)
     widened = torch.empty(weight.out_features, weight.in_features)
     torch.ops.kvserve_cpu.group_quant_dequantize(
         widened, weight.values, weight.num_bits, weight.scales, weight.zero_points, group_size
@@ -262,10 +254,10 @@ def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_roun
 def test_the_cpu_backend_quantizes_inputs_and_sends_float16_scales_to_the_torch_path():
     x = torch.randn(5, 256)
     for activations in ("int8", "fp8"):
-        with_inputs = replace(_random_weight(8, torch.float32, False, 256), activations=activations)
+        with_inputs = replace(random_weight(8, torch.float32, False, 256), activations=activations)
         assert torch.allclose(CpuBackend().group_quantized_linear(x, with_inputs, None),
                               group_quantized_linear(x, with_inputs, None), atol=1e-4)  # fmt: skip
-    half_scales = _random_weight(8, torch.float16, False, 32)
+    half_scales = random_weight(8, torch.float16, False, 32)
     assert torch.allclose(CpuBackend().group_quantized_linear(x, half_scales, None),
                           group_quantized_linear(x, half_scales, None), atol=1e-4)  # fmt: skip
 
@@ -293,7 +285,8 @@ def test_packed_values_and_zero_points_are_read_as_the_package_unpacks_them(tmp_
     config = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": scheme_json}}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     scheme = quantization_config(tmp_path).schemes[0]
-    weight = load_weight(CheckpointTensors([tmp_path / "model.safetensors"]), "layer", scheme)
+    shard = safe_open(str(tmp_path / "model.safetensors"), framework="pt")
+    weight = load_weight(CheckpointTensors([shard]), "layer", scheme)
     assert torch.equal(weight.zero_points, unpack_from_int32(tensors["layer.weight_zero_point"], num_bits,
                                                              torch.Size([rows, 2]), packed_dim=0))  # fmt: skip
     unpacked = unpack_from_int32(tensors["layer.weight_packed"], num_bits, torch.Size([rows, 64]))
@@ -304,7 +297,7 @@ def test_packed_values_and_zero_points_are_read_as_the_package_unpacks_them(tmp_
 
 
 def test_slices_and_concatenations_keep_each_rows_values():
-    weight = _int8_weight(8, 64, 32)
+    weight = random_weight(8, rows=8, columns=64)
     dense = dequantize(weight)
     assert torch.equal(dequantize(weight.rows(2, 3)), dense[2:5])
     assert torch.equal(dequantize(weight.columns(32, 32)), dense[:, 32:])
@@ -313,7 +306,7 @@ def test_slices_and_concatenations_keep_each_rows_values():
     assert torch.equal(padded[:8], dense) and not padded[8:].any()
     with pytest.raises(ValueError, match="cut through one"):
         weight.columns(16, 32)
-    per_channel = _int8_weight(8, 64, 64)
+    per_channel = random_weight(8, group_size=64, rows=8, columns=64)
     assert torch.equal(dequantize(per_channel.columns(16, 32)), dequantize(per_channel)[:, 16:48])
 
 
@@ -418,6 +411,15 @@ def test_quantized_tensors_no_layer_takes_are_refused_by_name(tmp_path):
     """Ignoring the MLPs in the config while the file has them quantized: the leftover tensors are named."""
     path = _with_quantization(tmp_path, _set("ignore", ["lm_head", "re:.*mlp.*"]))
     with pytest.raises(CompressedTensorsError, match=r"model\.layers\.0\.mlp\.down_proj\.weight_packed is quantized"):
+        LLM(str(path))
+
+
+def test_a_cut_short_checkpoint_is_refused_naming_its_file(tmp_path):
+    """A file that cannot be read (a copy still being written) is named as for any checkpoint, not a traceback."""
+    path = _with_quantization(tmp_path, lambda quantization: None)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors cannot be read"):
         LLM(str(path))
 
 

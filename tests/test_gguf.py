@@ -17,7 +17,7 @@ import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.gguf_checkpoint import GgufError, GgufFile, hf_row_order
-from kvserve.engine.models.layers import Linear, QuantizedEmbedding
+from kvserve.engine.models.layers import QuantizedEmbedding, weight_bytes
 from kvserve.engine.parallel.sharding import TensorParallelError
 from kvserve.engine.tokenizer import load_tokenizer
 from kvserve.kernels.cpu_extension import load_cpu_kernels
@@ -148,17 +148,9 @@ def test_weights_stay_quantized_in_memory():
         path = GGUF_DIR / name
         with LLM(str(path)) as llm:
             model = llm.engine.core.runner.worker.model
-            held = {}
-            for module in model.modules():
-                if isinstance(module, Linear) and module.quantized is not None:
-                    held.update({segment.data.data_ptr(): segment.nbytes for segment in module.quantized})
-                if isinstance(module, QuantizedEmbedding):
-                    held[module.quantized.data.data_ptr()] = module.quantized.nbytes
-            for parameter in model.parameters():
-                held[parameter.data_ptr()] = parameter.numel() * parameter.element_size()
             assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
             file_bytes = GgufFile(path).tensor_bytes()
-            assert file_bytes * 0.9 <= sum(held.values()) <= file_bytes * 1.1, name
+            assert file_bytes * 0.9 <= weight_bytes(model) <= file_bytes * 1.1, name
 
 
 def _write_gguf(path: Path, arch: str, tensor_type) -> Path:

@@ -128,6 +128,20 @@ class QuantizedEmbedding(nn.Module):
         return self.group.all_reduce(vectors).view(*input_ids.shape, -1)
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes the model's weights are held in: its parameters and its layers' quantized tensors, each storage
+    counted once (a tied head shares the embedding's)."""
+    held = {parameter.data_ptr(): parameter.nbytes for parameter in model.parameters()}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            held.update({segment.data.data_ptr(): segment.nbytes for segment in module.quantized})
+        elif isinstance(module, Linear) and module.grouped is not None:
+            held.update({tensor.data_ptr(): tensor.nbytes for tensor in module.grouped.tensors()})
+        elif isinstance(module, QuantizedEmbedding):
+            held[module.quantized.data.data_ptr()] = module.quantized.nbytes
+    return sum(held.values())
+
+
 class PackedLinear(Linear):
     """Several projections of the same input computed as one GEMM (q/k/v, gate/up).
 
