@@ -3,7 +3,8 @@
 Decode and extend attention over bf16 and int8 caches (block 16, 32 query / 8 KV heads, head_dim 64
 and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact: its divisions are
 IEEE-rounded, as torch's are), the fused layer ops at Llama-3-8B sizes (hidden 4096, MLP 14336,
-head_dim 128), and GGUF's block formats through the torch path at Llama-3-8B's MLP shape (with their times).
+head_dim 128), GGUF's block formats through the torch path and compressed-tensors' group layouts through the Triton
+GEMM (FP8_DYNAMIC through `torch._scaled_mm`) at Llama-3-8B's MLP shape, with their times.
 Each line prints the largest difference and the bound it is held to; the script exits 1 if any exceeds it.
 
     python -m benchmarks.gpu_kernel_check           # CUDA
@@ -148,19 +149,79 @@ def check_block_quant(checker, device, smoke) -> None:
             excess = ((actual - expected).abs() - 1e-5 * magnitudes).max().item()
             checker.report(f"block-quantized {name} linear, {rows} rows (excess over the bound)", max(excess, 0.0), 0.0)
             if device.type == "cuda":
-                milliseconds = time_ms(on_device, x.to(device))
+                milliseconds = time_ms(chunked_quantized_linear, x.to(device), (on_device,), None)
                 print(f"     {name} {rows} rows [{out_features}, {in_features}]: {milliseconds:.3f} ms per call")
 
 
-def time_ms(weight, x) -> float:
-    """Median milliseconds of 20 calls of the torch path after 3, by CUDA events."""
-    from kvserve.kernels.block_quant import chunked_quantized_linear
+# compressed-tensors' layouts: (label, values, scales' dtype, zero points, group size (None: a scale per channel),
+# inputs quantized per token).
+GROUP_LAYOUTS = [
+    ("W4A16 g128", 4, torch.bfloat16, False, 128, None),
+    ("W4A16 g128 asym", 4, torch.bfloat16, True, 128, None),
+    ("W8A16 channel", 8, torch.bfloat16, False, None, None),
+    ("W8A16 channel f32 scales", 8, torch.float32, False, None, None),
+    ("FP8 weights channel", "fp8", torch.bfloat16, False, None, None),
+    ("FP8_DYNAMIC channel", "fp8", torch.bfloat16, False, None, "fp8"),
+]
 
+
+def check_group_quant(checker, device, smoke) -> None:
+    """compressed-tensors' group layouts through the Triton backend (the Triton GEMM; FP8_DYNAMIC through
+    `torch._scaled_mm` where the GPU has float8 tensor cores) on bfloat16 inputs, against the float32 reference:
+    within 1e-5 of each output's sum of product magnitudes plus one bfloat16 unit of the output (both outputs are
+    rounded to bfloat16); the `_scaled_mm` path within two bfloat16 units of the largest output (it rounds the weights
+    differently, kernels/fp8_scaled_mm.py). bfloat16 scales are held to the GPU's bound only on a GPU: the
+    interpreter's bfloat16 casts truncate (2**-7). On a GPU, times per call beside the torch path's (widening 512
+    rows at a time) and a dense bfloat16 GEMM's."""
+    from dataclasses import replace
+
+    from kvserve.kernels.fp8_scaled_mm import scaled_mm_takes
+    from kvserve.kernels.group_quant import (
+        chunked_group_quantized_linear,
+        dequantize,
+        group_quantized_linear,
+        quantize_activations,
+    )
+    from kvserve.testing.group_weights import random_group_weight
+
+    out_features, in_features = (96, 256) if smoke else (14336, 4096)
+    backend = select_backend("triton", device, AttentionShape(512, 32, 128))
+    dense = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=device)
+    for label, kind, scale_dtype, zero_points, group_size, activations in GROUP_LAYOUTS:
+        weight = random_group_weight(kind, scale_dtype, zero_points, group_size or in_features, *dense.shape)
+        weight = replace(weight, activations=activations).to(device)
+        magnitudes_weight = dequantize(weight).abs().T
+        for rows in (1, 32) if smoke else (1, 32, 512):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+            actual = backend.group_quantized_linear(x, weight, None).float()
+            expected = group_quantized_linear(x, weight, None).float()
+            scaled_mm = backend.float8_tensor_cores and scaled_mm_takes(x, weight)
+            if scaled_mm:
+                bound = 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max()
+            else:
+                relative = 2**-7 if scale_dtype == torch.bfloat16 and device.type != "cuda" else 1e-5
+                inputs = x.float() if activations is None else quantize_activations(x.float(), activations)
+                output_rounding = expected.abs() * torch.finfo(torch.bfloat16).eps
+                bound = relative * (inputs.abs() @ magnitudes_weight) + output_rounding
+            excess = ((actual - expected).abs() - bound).max().item()
+            path = "_scaled_mm" if scaled_mm else "Triton"
+            name = f"group-quantized {label} ({path}), {rows} rows (excess over the bound)"
+            checker.report(name, max(excess, 0.0), 0.0)
+            if device.type == "cuda":
+                ours = time_ms(backend.group_quantized_linear, x, weight, None)
+                torch_path = time_ms(chunked_group_quantized_linear, x, weight, None)
+                dense_ms = time_ms(torch.nn.functional.linear, x, dense)
+                print(f"     {label} {rows} rows [{out_features}, {in_features}]: {path} {ours:.3f} ms, torch path "
+                      f"{torch_path:.3f} ms, dense bf16 {dense_ms:.3f} ms per call")  # fmt: skip
+
+
+def time_ms(function, *args) -> float:
+    """Median milliseconds of 20 calls of function(*args) after 3, by CUDA events."""
     times = []
     for index in range(23):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        chunked_quantized_linear(x, (weight,), None)
+        function(*args)
         end.record()
         torch.cuda.synchronize()
         if index >= 3:
@@ -187,6 +248,7 @@ def main() -> None:
         check_store(checker, device, head_dim)
     check_layer_ops(checker, device, args.smoke)
     check_block_quant(checker, device, args.smoke)
+    check_group_quant(checker, device, args.smoke)
     print(f"{checker.failures} failures")
     sys.exit(1 if checker.failures else 0)
 

@@ -19,6 +19,7 @@ from kvserve.kernels import onednn
 from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear
+from kvserve.testing.group_weights import random_group_weight
 
 # scheme: (values: bits or "fp8", group size (None: the row), zero points)
 SCHEMES = {
@@ -30,11 +31,9 @@ SCHEMES = {
 
 
 def scheme_weight(scheme: str, rows: int, in_features: int) -> GroupQuantizedWeight:
-    """Random values and small scales (as tests/test_compressed_tensors.py makes them) in `scheme`."""
-    from tests.test_compressed_tensors import random_weight
-
+    """Random values and small scales (as the tests make them) in `scheme`."""
     kind, group_size, zero_points = SCHEMES[scheme]
-    return random_weight(kind, torch.float32, zero_points, group_size or in_features, rows, in_features)
+    return random_group_weight(kind, torch.float32, zero_points, group_size or in_features, rows, in_features)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.vs_vllm                              # offline + served, 3 rounds each
     .venv/bin/python -m benchmarks.vs_vllm --modes offline --rounds 5
     .venv/bin/python -m benchmarks.vs_vllm --vllm-venv /tmp/vllm-cpu-venv  (made by `bash ../shared/peers/vllm-cpu.sh`)
+    .venv/bin/python -m benchmarks.vs_vllm --model-dir DIR   # another checkpoint (e.g. a compressed-tensors one)
 
 Every run is a process of its own (vLLM's in its venv), so neither engine inherits the other's
 threads, caches or memory. Offline: 64 requests at once (prompts 32-512 tokens, outputs 16-256,
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-cpu-venv"))
     parser.add_argument("--num-requests", type=int, default=64, help="offline requests, all submitted at once")
     parser.add_argument("--log-dir", type=Path, help="server logs and client results (default: a temp dir)")
+    parser.add_argument("--model-dir", type=Path, help="the checkpoint (default: the 45M-parameter Llama-shaped one)")
     args = parser.parse_args()
 
     engines = args.engines.split(",")
@@ -110,7 +112,7 @@ def main() -> None:
     if "vllm" in engines and not vllm_python.exists():
         print(f"no vLLM venv at {args.vllm_venv} (bash ../shared/peers/vllm-cpu.sh makes one): kvserve alone, offline")
         engines, args.modes = ["kvserve"], "offline"
-    model_dir = llama_45m_dir()
+    model_dir = args.model_dir or llama_45m_dir()
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="vs-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,9 @@ then multiplies the input's quantized-and-dequantized values (`quantize_activati
 forward does, so the products are those of the quantized operands.
 
 On a CPU the C++ kernels (kernels/csrc/cpu_block_quant.cpp) compute every value type with float32 or bfloat16
-scales in groups of a multiple of 32, widened in registers as `dequantize` widens them; float16 scales, other groups
-and other devices take the torch path here (`chunked_group_quantized_linear`).
+scales in groups of a multiple of 32, widened in registers as `dequantize` widens them; on CUDA a Triton kernel
+(kernels/triton_group_quant.py) groups of a multiple of 16, and FP8_DYNAMIC layers `torch._scaled_mm`
+(kernels/fp8_scaled_mm.py); the rest takes the torch path here (`chunked_group_quantized_linear`).
 """
 
 from dataclasses import dataclass
@@ -175,17 +176,24 @@ def token_largest(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(x.amin(dim=-1, keepdim=True).neg().clamp(min=0), x.amax(dim=-1, keepdim=True).clamp(min=0))
 
 
+# Each activation kind's least and greatest value, and the half range a token's max |x| is scaled to.
+_ACTIVATION_RANGES = {"int8": (-128.0, 127.0), "fp8": (-FP8_MAX, FP8_MAX)}
+_ACTIVATION_HALF_RANGES = {"int8": 127.5, "fp8": FP8_MAX}
+
+
+def activation_scales(x: torch.Tensor, kind: str, largest: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's scale [tokens, 1] for `quantize_activations` (the float32 epsilon where a token is all zeros)."""
+    scale = (token_largest(x) if largest is None else largest) / _ACTIVATION_HALF_RANGES[kind]
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+
+
 def quantize_activations(x: torch.Tensor, kind: str, largest: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, features] quantized and dequantized per token, symmetrically, as compressed-tensors' dynamic
     activation quantization does: scale = max|x| / (half the type's range: 127.5 for int8, 448 for float8), values
     clamped to the type's range and rounded (to nearest even integer; to float8 by the cast). `largest`: each
     token's max|x| if x is a share of its features (a tensor-parallel rank's), taken over all of them."""
-    if kind == "int8":
-        low, high, half_range = -128.0, 127.0, 127.5
-    else:
-        low, high, half_range = -FP8_MAX, FP8_MAX, FP8_MAX
-    scale = (token_largest(x) if largest is None else largest) / half_range
-    scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    low, high = _ACTIVATION_RANGES[kind]
+    scale = activation_scales(x, kind, largest)
     clamped = torch.clamp(x / scale, low, high)
     rounded = torch.round(clamped) if kind == "int8" else clamped.to(torch.float8_e4m3fn).to(x.dtype)
     return rounded * scale

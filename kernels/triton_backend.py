@@ -1,14 +1,17 @@
-"""The Triton backend: every KV write and attention call of a step, the layer ops and the mixture-of-experts MLPs
-through our kernels; linear layers through torch's GEMM (cuBLAS)."""
+"""The Triton backend: every KV write and attention call of a step, the layer ops, the mixture-of-experts MLPs and
+the GEMMs on group-quantized weights through our kernels (FP8_DYNAMIC layers through `torch._scaled_mm` where the
+GPU has float8 tensor cores); dense linear layers through torch's GEMM (cuBLAS)."""
 
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from kvserve.kernels import triton_layer_ops, triton_moe
+from kvserve.kernels import triton_group_quant, triton_layer_ops, triton_moe
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.backend import AttentionShape, TorchGemm
+from kvserve.kernels.fp8_scaled_mm import fp8_scaled_linear, scaled_mm_takes
+from kvserve.kernels.group_quant import chunked_group_quantized_linear
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.triton_decode_attention import DecodeWorkspace, paged_decode_attention
 from kvserve.kernels.triton_extend_attention import paged_extend_attention
@@ -36,6 +39,7 @@ class TritonBackend(TorchGemm):
 
     workspace: DecodeWorkspace
     target_programs: int
+    float8_tensor_cores: bool  # compute capability 8.9 or more: `torch._scaled_mm` multiplies float8
     name: str = "triton"
 
     @classmethod
@@ -44,8 +48,17 @@ class TritonBackend(TorchGemm):
             shape.max_num_seqs, shape.num_heads, shape.head_dim, MAX_DECODE_SEGMENTS, device
         )
         # Aim for about two programs per multiprocessor; the interpreter runs programs one by one.
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        return cls(workspace=workspace, target_programs=2 * num_sms)
+        on_gpu = device.type == "cuda"
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
+        float8_tensor_cores = on_gpu and torch.cuda.get_device_capability(device) >= (8, 9)
+        return cls(workspace=workspace, target_programs=2 * num_sms, float8_tensor_cores=float8_tensor_cores)
+
+    def group_quantized_linear(self, x, weight, bias) -> torch.Tensor:
+        if self.float8_tensor_cores and scaled_mm_takes(x, weight):
+            return fp8_scaled_linear(x, weight, bias)
+        if triton_group_quant.triton_takes(weight):
+            return triton_group_quant.group_quantized_linear(x, weight, bias, self.target_programs)
+        return chunked_group_quantized_linear(x, weight, bias)
 
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         store_kv(key, value, cache, slot_mapping)

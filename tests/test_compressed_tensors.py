@@ -42,7 +42,6 @@ from kvserve.engine.parallel.sharding import TensorParallelError
 from kvserve.kernels.cpu_backend import CpuBackend
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.group_quant import (
-    GroupQuantizedWeight,
     chunked_group_quantized_linear,
     concat_rows,
     dequantize,
@@ -50,6 +49,7 @@ from kvserve.kernels.group_quant import (
     padded_rows,
     quantize_activations,
 )
+from kvserve.testing.group_weights import random_group_weight
 from tests.test_parity import (
     SCHEDULING_PATHS,
     assert_matches_hf,
@@ -196,28 +196,8 @@ def test_inputs_are_quantized_as_compressed_tensors_quantizes_them(kind):
     assert not torch.equal(ours, x)
 
 
-def random_weight(
-    kind, scale_dtype=torch.float32, zero_points: bool = False, group_size: int = 32, rows: int = 40, columns: int = 256
-) -> GroupQuantizedWeight:
-    """`kind`: 8 or 4 (bits of integer values) or "fp8" (every float8 e4m3fn byte but NaN's, in turn); small scales
-    (benchmarks/group_quant_gemm.py times these too)."""
-    generator = torch.Generator().manual_seed(group_size + zero_points)
-    num_bits = 4 if kind == 4 else 8
-    if kind == "fp8":
-        finite = torch.arange(256, dtype=torch.uint8)
-        finite = finite[(finite & 0x7F) != 0x7F]
-        values = finite[torch.arange(rows * columns) % len(finite)].reshape(rows, columns).view(torch.float8_e4m3fn)
-    elif kind == 8:
-        values = torch.randint(-128, 128, (rows, columns), dtype=torch.int8, generator=generator)
-    else:
-        values = torch.randint(0, 256, (rows, columns // 2), dtype=torch.uint8, generator=generator)
-    scales = (torch.rand(rows, columns // group_size, generator=generator) / 50).to(scale_dtype)
-    zeros = torch.randint(-8, 8, scales.shape, dtype=torch.int8, generator=generator) if zero_points else None
-    return GroupQuantizedWeight(values, num_bits, scales, zeros, group_size, columns)
-
-
 def test_the_torch_path_matches_the_reference_and_quantizes_inputs():
-    weight = random_weight(8, rows=600, columns=64)  # more rows than one chunk
+    weight = random_group_weight(8, rows=600, columns=64)  # more rows than one chunk
     x, bias = torch.randn(3, 64), torch.randn(600)
     reference = group_quantized_linear(x, weight, bias)
     assert torch.allclose(chunked_group_quantized_linear(x, weight, bias), reference, atol=1e-5)
@@ -237,7 +217,7 @@ def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_roun
     """Every layout the C++ kernels take: the weight widened bit for bit as the reference dequantizes it (float8's
     subnormals too; a bfloat16 product rounded to bfloat16), and the linear layer within float32 rounding of the
     reference on 1-4 rows (one pass over the weight), 7 (the register tile) and 70 (widened chunks and a GEMM)."""
-    weight = random_weight(kind, scale_dtype, zero_points, group_size)
+    weight = random_group_weight(kind, scale_dtype, zero_points, group_size)
     widened = torch.empty(weight.out_features, weight.in_features)
     torch.ops.kvserve_cpu.group_quant_dequantize(
         widened, weight.values, weight.num_bits, weight.scales, weight.zero_points, group_size
@@ -254,10 +234,10 @@ def test_the_cpu_kernels_widen_as_the_reference_and_multiply_within_float32_roun
 def test_the_cpu_backend_quantizes_inputs_and_sends_float16_scales_to_the_torch_path():
     x = torch.randn(5, 256)
     for activations in ("int8", "fp8"):
-        with_inputs = replace(random_weight(8, torch.float32, False, 256), activations=activations)
+        with_inputs = replace(random_group_weight(8, torch.float32, False, 256), activations=activations)
         assert torch.allclose(CpuBackend().group_quantized_linear(x, with_inputs, None),
                               group_quantized_linear(x, with_inputs, None), atol=1e-4)  # fmt: skip
-    half_scales = random_weight(8, torch.float16, False, 32)
+    half_scales = random_group_weight(8, torch.float16, False, 32)
     assert torch.allclose(CpuBackend().group_quantized_linear(x, half_scales, None),
                           group_quantized_linear(x, half_scales, None), atol=1e-4)  # fmt: skip
 
@@ -297,7 +277,7 @@ def test_packed_values_and_zero_points_are_read_as_the_package_unpacks_them(tmp_
 
 
 def test_slices_and_concatenations_keep_each_rows_values():
-    weight = random_weight(8, rows=8, columns=64)
+    weight = random_group_weight(8, rows=8, columns=64)
     dense = dequantize(weight)
     assert torch.equal(dequantize(weight.rows(2, 3)), dense[2:5])
     assert torch.equal(dequantize(weight.columns(32, 32)), dense[:, 32:])
@@ -306,7 +286,7 @@ def test_slices_and_concatenations_keep_each_rows_values():
     assert torch.equal(padded[:8], dense) and not padded[8:].any()
     with pytest.raises(ValueError, match="cut through one"):
         weight.columns(16, 32)
-    per_channel = random_weight(8, group_size=64, rows=8, columns=64)
+    per_channel = random_group_weight(8, group_size=64, rows=8, columns=64)
     assert torch.equal(dequantize(per_channel.columns(16, 32)), dequantize(per_channel)[:, 16:48])
 
 

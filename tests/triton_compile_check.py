@@ -21,6 +21,8 @@ from kvserve.kernels.paged_kv import INT8_MAX
 from kvserve.kernels.triton_common import padded
 from kvserve.kernels.triton_decode_attention import _decode_segment_kernel, _merge_segments_kernel
 from kvserve.kernels.triton_extend_attention import _extend_kernel
+from kvserve.kernels.triton_group_quant import BLOCK_N as GROUP_GEMM_BLOCK_N
+from kvserve.kernels.triton_group_quant import _group_gemm_kernel
 from kvserve.kernels.triton_layer_ops import (
     ROTARY_HEADS_TILE,
     SILU_BLOCK,
@@ -139,11 +141,44 @@ def moe_configs(data_type: str, top_k: int = 2):
     yield _combine_kernel, {"TOP_K": top_k, "BLOCK": COMBINE_BLOCK}
 
 
-def compile_for(target: GPUTarget, kernel, data_type: str, int8_cache: bool, constexprs: dict) -> int:
-    """Compiles one kernel variant to a cubin; returns the shared memory one program uses."""
+# The group GEMM's variants (compressed-tensors' weights): (values, bits, zero points, scales, rows per tile). Every
+# value layout on tensor cores (bfloat16 scales and inputs) at a decode tile writing split-K partial sums; float32
+# scales (or float32 inputs, quantized per token) through float32 products; prefill tiles writing the output with its
+# bias (the compiler takes 4-6 s for a float32 one: one of those).
+GROUP_GEMM_VARIANTS = [
+    *((values, bits, zero_points, "bf16", 16) for values, bits, zero_points in
+      [("u8", 4, False), ("u8", 4, True), ("i8", 8, False), ("i8", 8, True), ("fp8e4nv", 8, False)]),
+    ("u8", 4, True, "fp32", 16), ("fp8e4nv", 8, False, "fp32", 16),
+    ("u8", 4, True, "bf16", 64), ("i8", 8, False, "bf16", 64), ("i8", 8, False, "fp32", 64),
+]  # fmt: skip
+
+
+def group_gemm_configs():
+    """The group GEMM's constexprs and argument types as the wrapper launches them on CUDA. Yields (label,
+    constexprs, types)."""
+    for values, num_bits, zero_points, scales, tile_m in GROUP_GEMM_VARIANTS:
+        partial = tile_m == 16
+        types = {
+            "x_ptr": "*bf16" if scales == "bf16" else "*fp32", "values_ptr": f"*{values}", "scales_ptr": f"*{scales}",
+            "zero_points_ptr": "*i8", "bias_ptr": "*bf16", "out_ptr": "*fp32" if partial else "*bf16",
+        }  # fmt: skip
+        constexprs = {
+            "NUM_BITS": num_bits, "HAS_ZERO_POINTS": zero_points, "HAS_BIAS": not partial,
+            "ROUND_TO_SCALES": scales != "fp32", "PARTIAL": partial, "GROUP_SIZE": 128, "BLOCK_M": tile_m,
+            "BLOCK_N": GROUP_GEMM_BLOCK_N, "BLOCK_K": 128, "DOT_FP32": scales == "fp32",
+        }  # fmt: skip
+        label = f"{values} values{' with zero points' if zero_points else ''}, {scales} scales, {tile_m} rows"
+        yield label, constexprs, types
+
+
+def compile_for(
+    target: GPUTarget, kernel, data_type: str, int8_cache: bool, constexprs: dict, types: dict | None = None
+) -> int:
+    """Compiles one kernel variant to a cubin (`types`: argument types that differ from `signature`'s); returns
+    the shared memory one program uses."""
     source = ASTSource(
         fn=kernel,
-        signature=signature(kernel, data_type, int8_cache, constexprs),
+        signature={**signature(kernel, data_type, int8_cache, constexprs), **(types or {})},
         constexprs={(kernel.arg_names.index(name),): value for name, value in constexprs.items()},
     )
     compiled = triton.compile(source, target=target)
@@ -185,6 +220,11 @@ def main() -> None:
             f"sm_{args.arch} {data_type}, {cache} cache, heads {shape}{label}: {kernel.__name__} "
             f"{elapsed_s:.1f} s, {shared_bytes} B shared"
         )
+    for label, constexprs, types in group_gemm_configs():
+        start_s = time.perf_counter()
+        shared_bytes = compile_for(target, _group_gemm_kernel, "fp32", False, constexprs, types)
+        elapsed_s = time.perf_counter() - start_s
+        print(f"sm_{args.arch} group GEMM, {label}: {elapsed_s:.1f} s, {shared_bytes} B shared")
     print(f"all kernels compile with triton {triton.__version__}")
 
 
