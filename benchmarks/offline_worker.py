@@ -20,10 +20,10 @@ KV_CACHE_GIB = 2
 MAX_MODEL_LEN = 1024  # vLLM's --max-model-len
 
 
-def kvserve_generate(model_dir: str, max_num_seqs: int):
+def kvserve_generate(model_dir: str, max_num_seqs: int, dtype: str):
     from kvserve.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=KV_CACHE_GIB << 30)
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=KV_CACHE_GIB << 30)
 
     def generate(workload: list[dict]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in workload]
@@ -32,11 +32,11 @@ def kvserve_generate(model_dir: str, max_num_seqs: int):
     return generate
 
 
-def vllm_generate(model_dir: str, max_num_seqs: int):
+def vllm_generate(model_dir: str, max_num_seqs: int, dtype: str):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, seed=0)
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, seed=0)
 
     def generate(workload: list[dict]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in workload]
@@ -46,10 +46,12 @@ def vllm_generate(model_dir: str, max_num_seqs: int):
     return generate
 
 
-def offline_worker(engine: str, model_dir: str, workload_file: str, max_num_seqs: int, out_file: str) -> None:
+def offline_worker(
+    engine: str, model_dir: str, workload_file: str, max_num_seqs: int, out_file: str, dtype: str
+) -> None:
     """Build one engine, run the workload once, write the tokens, when the engine was ready and the time taken."""
     workload = json.loads(Path(workload_file).read_text())
-    generate = (kvserve_generate if engine == "kvserve" else vllm_generate)(model_dir, max_num_seqs)
+    generate = (kvserve_generate if engine == "kvserve" else vllm_generate)(model_dir, max_num_seqs, dtype)
     start_s = time.time()
     token_ids = generate(workload)
     end_s = time.time()
@@ -65,13 +67,16 @@ def engine_env(engine: str) -> dict[str, str]:
     return env
 
 
-def run_offline(engine: str, python: str, model_dir: Path, workload_file: Path, max_num_seqs: int) -> dict:
+def run_offline(
+    engine: str, python: str, model_dir: Path, workload_file: Path, max_num_seqs: int, dtype: str = "float32"
+) -> dict:
     """One offline run of `engine` by `python` in a fresh process: its tok/s, start-up time, peak RSS of the process
     tree and outputs."""
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "result.json"
         command = [python, "-m", __spec__.name, "--engine", engine, "--model-dir", str(model_dir), "--workload",
-                   str(workload_file), "--max-num-seqs", str(max_num_seqs), "--out", str(out_file)]  # fmt: skip
+                   str(workload_file), "--max-num-seqs", str(max_num_seqs), "--out", str(out_file), "--dtype",
+                   dtype]  # fmt: skip
         spawn_s = time.time()
         process = subprocess.Popen(
             command, env=engine_env(engine), cwd=child_cwd(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -95,8 +100,9 @@ def main() -> None:
     parser.add_argument("--workload", required=True, help="a JSON list of {prompt_token_ids, max_tokens}")
     parser.add_argument("--max-num-seqs", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    offline_worker(args.engine, args.model_dir, args.workload, args.max_num_seqs, args.out)
+    offline_worker(args.engine, args.model_dir, args.workload, args.max_num_seqs, args.out, args.dtype)
 
 
 if __name__ == "__main__":

@@ -40,24 +40,25 @@ SERVE_CLIENT_ARGS = [
 ]  # fmt: skip
 
 
-def server_command(engine: str, vllm_venv: Path, model_dir: Path, port: int, max_num_seqs: int) -> list[str]:
+def server_command(
+    engine: str, vllm_venv: Path, model_dir: Path, port: int, max_num_seqs: int, dtype: str
+) -> list[str]:
     if engine == "kvserve":
         return kvserve_serve_command(model_dir, port, "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs",
-                                     str(max_num_seqs), "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30))  # fmt: skip
-    return [str(vllm_venv / "bin" / "vllm"), "serve", str(model_dir), "--port", str(port), "--dtype", "float32",
+                                     str(max_num_seqs), "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30),
+                                     "--dtype", dtype)  # fmt: skip
+    return [str(vllm_venv / "bin" / "vllm"), "serve", str(model_dir), "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", SERVED_MODEL_NAME,
             "--max-num-seqs", str(max_num_seqs), "--seed", "0"]  # fmt: skip
 
 
-def run_served(engine: str, vllm_venv: Path, model_dir: Path, max_num_seqs: int, log_dir: Path) -> dict:
+def run_served(engine: str, vllm_venv: Path, model_dir: Path, max_num_seqs: int, log_dir: Path, dtype: str) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (log_dir / f"{engine}-server.log").open("ab")
     spawn_s = time.time()
-    process = subprocess.Popen(
-        server_command(engine, vllm_venv, model_dir, port, max_num_seqs), env=engine_env(engine), cwd=child_cwd(),
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    command = server_command(engine, vllm_venv, model_dir, port, max_num_seqs, dtype)
+    process = subprocess.Popen(command, env=engine_env(engine), cwd=child_cwd(), stdout=log, stderr=subprocess.STDOUT)
     rss = TreeRSS(process.pid)
     try:
         with serving(process, url):
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64, help="offline requests, all submitted at once")
     parser.add_argument("--log-dir", type=Path, help="server logs and client results (default: a temp dir)")
     parser.add_argument("--model-dir", type=Path, help="the checkpoint (default: the 45M-parameter Llama-shaped one)")
+    parser.add_argument("--dtype", default="float32", help="both engines' (vLLM runs int4 weights in bfloat16 only)")
     args = parser.parse_args()
 
     engines = args.engines.split(",")
@@ -120,14 +122,16 @@ def main() -> None:
     workload = random_requests(args.num_requests, vocab_size, (32, 512), (16, 256), seed=0)
     workload_file.write_text(json.dumps(workload))
     pythons = {"kvserve": sys.executable, "vllm": str(vllm_python)}
-    print(f"model {model_dir} (fp32); logs in {log_dir}; engines {', '.join(engines)}; {args.rounds} rounds")
+    print(f"model {model_dir} ({args.dtype}); logs in {log_dir}; engines {', '.join(engines)}; {args.rounds} rounds")
 
     if "offline" in args.modes:
         print(f"offline: {len(workload)} requests, {sum(r['max_tokens'] for r in workload)} output tokens")
         rounds = []
         for index in range(args.rounds):
             order = engines if index % 2 == 0 else engines[::-1]
-            results = {e: run_offline(e, pythons[e], model_dir, workload_file, args.num_requests) for e in order}
+            results = {
+                e: run_offline(e, pythons[e], model_dir, workload_file, args.num_requests, args.dtype) for e in order
+            }
             rounds.append(results)
             print(f"round {index + 1}: " + ", ".join(
                 f"{e} {r['tok_s']:.1f} tok/s (start-up {r['startup_s']:.1f} s, peak RSS {r['peak_rss_mib']:.0f} MiB)"
@@ -138,7 +142,7 @@ def main() -> None:
         rounds = []
         for index in range(args.rounds):
             order = engines if index % 2 == 0 else engines[::-1]
-            results = {e: run_served(e, args.vllm_venv, model_dir, 64, log_dir) for e in order}
+            results = {e: run_served(e, args.vllm_venv, model_dir, 64, log_dir, args.dtype) for e in order}
             rounds.append(results)
             print(f"round {index + 1}: " + ", ".join(
                 f"{e} {r['tok_s']:.1f} tok/s, TTFT p50/p99 {r['ttft_p50']:.0f}/{r['ttft_p99']:.0f} ms, "
