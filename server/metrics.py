@@ -1,6 +1,7 @@
 """Prometheus metrics: the engine's step stats, the server's rejections and disconnects, HTTP counts.
 
-Every metric is named `kvserve:<what>_<unit>` and labelled with the served model's name. Each app
+Every metric is named `kvserve:<what>_<unit>` and labelled with the served model's name; beside them, the few
+the Inference Extension's endpoint picker reads, under vLLM's names (server/inference_extension.py). Each app
 has its own `CollectorRegistry`, so a process (or a test session) can hold many apps. The engine
 thread calls `record_step` once per loop iteration; it only sets gauges and adds to counters and
 histograms (bulk ones: see server/bulk_histogram.py).
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine.stats import FINISH_REASONS, StepStats
 from kvserve.server.bulk_histogram import BulkHistogram, BulkHistogramCollector
+from kvserve.server.inference_extension import InferenceExtensionMetrics
 
 PREFIX = "kvserve:"
 REJECT_REASONS = ("overload", "validation")
@@ -139,9 +141,11 @@ class ServerMetrics:
         )
         self.step_batch_tokens = histogram("step_batch_tokens", "Tokens in one model step.", BATCH_TOKEN_BUCKETS)
         self.registry.register(BulkHistogramCollector(histograms, {"model_name": model}))
+        self.inference_extension = InferenceExtensionMetrics(self.registry, model)
 
     def record_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every loop iteration."""
+        self.inference_extension.record_step(stats)
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_preempted_waiting.set(stats.num_preempted_waiting)

@@ -1,7 +1,8 @@
-"""deploy/kubernetes/: the tensor-parallel manifests lint clean (yamllint), validate against the Kubernetes API
-schemas (kubernetes-validate, offline and strict: an unknown field fails) and against the LeaderWorkerSet CRD's
-schema (vendored in tests/data/), and wire the ranks the way kvserve reads them: each pod's environment, built
-as the kubelet builds it, gives `kvserve serve` its rank, the world size it checks and rank 0's address.
+"""deploy/kubernetes/: the tensor-parallel and replica manifests lint clean (yamllint), validate against the Kubernetes
+API schemas (kubernetes-validate, offline and strict: an unknown field fails) and against the LeaderWorkerSet and
+InferencePool CRDs' schemas (vendored in tests/data/), and wire the ranks the way kvserve reads them: each pod's
+environment, built as the kubelet builds it, gives `kvserve serve` its rank, the world size it checks and rank 0's
+address; the pool sends to the port the replicas listen on.
 
 They are linted here, not applied: no cluster runs in the tests.
 """
@@ -29,6 +30,8 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 STATEFULSET_FILE = MANIFESTS / "tensor-parallel.yaml"
 LWS_FILE = MANIFESTS / "tensor-parallel-lws.yaml"
 LWS_SCHEMA_FILE = Path(__file__).parent / "data" / "leaderworkerset-v0.9.0-schema.yaml"
+POOL_FILE = MANIFESTS / "replicas-inference-pool.yaml"
+POOL_SCHEMA_FILE = Path(__file__).parent / "data" / "inferencepool-v1.6.0-schema.yaml"
 # The oldest Kubernetes with the pod-index label on StatefulSet pods, and the newest the validator knows.
 KUBERNETES_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
 YAMLLINT_CONFIG = YamlLintConfig("{extends: default, rules: {line-length: {max: 120}}}")
@@ -56,6 +59,14 @@ def leaderworkerset_objects() -> tuple[dict, dict]:
     [lws] = [doc for doc in objects if doc["kind"] == "LeaderWorkerSet"]
     [client] = [doc for doc in objects if doc["kind"] == "Service"]
     return lws, client
+
+
+def inference_pool_objects() -> tuple[dict, dict]:
+    """The replicas' Deployment and the InferencePool that groups them."""
+    objects = documents(POOL_FILE)
+    [deployment] = [doc for doc in objects if doc["kind"] == "Deployment"]
+    [pool] = [doc for doc in objects if doc["kind"] == "InferencePool"]
+    return deployment, pool
 
 
 def only_container(pod_template: dict) -> dict:
@@ -124,7 +135,7 @@ def validate_leaderworkerset(lws: dict) -> None:
         kubernetes_validate.validate(pod_template, KUBERNETES_VERSIONS[0], strict=True)
 
 
-@pytest.mark.parametrize("path", [STATEFULSET_FILE, LWS_FILE], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [STATEFULSET_FILE, LWS_FILE, POOL_FILE], ids=lambda path: path.name)
 def test_manifests_are_yamllint_clean(path):
     problems = list(linter.run(path.read_text(), YAMLLINT_CONFIG, str(path)))
     assert problems == [], "\n".join(f"{path.name}:{p.line}:{p.column}: {p.message} ({p.rule})" for p in problems)
@@ -182,8 +193,53 @@ def test_the_validator_refuses_a_broken_leaderworkerset(break_it):
         validate_leaderworkerset(broken)
 
 
+def validate_inference_pool(pool: dict) -> None:
+    jsonschema.validate(pool, strict(yaml.safe_load(POOL_SCHEMA_FILE.read_text())))
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_replicas_deployment_validates_against_the_api_schema(version):
+    deployment, _ = inference_pool_objects()
+    kubernetes_validate.validate(deployment, version, strict=True)
+
+
+def test_the_inference_pool_validates_against_its_crd_schema_and_sends_to_the_replicas_port():
+    deployment, pool = inference_pool_objects()
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    validate_inference_pool(pool)
+    template = deployment["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    container = only_container(template)
+    environment = {variable["name"]: variable["value"] for variable in container["env"]}
+    settings = load_settings(None, {}, environ=environment)
+    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
+    assert [port["number"] for port in pool["spec"]["targetPorts"]] == [settings.port]
+    assert [port["containerPort"] for port in container["ports"]] == [settings.port]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda spec: spec.update(targetPorts=[]),
+        lambda spec: spec["targetPorts"][0].update(number="8000"),
+        lambda spec: spec["selector"].update(matchLabel=spec["selector"].pop("matchLabels")),
+        lambda spec: spec["endpointPickerRef"].update(failureMode="Open"),
+        lambda spec: spec["endpointPickerRef"].pop("name"),
+    ],
+    ids=["no-target-port", "string-for-integer", "misspelt-field", "unknown-failure-mode", "picker-without-name"],
+)
+def test_the_validator_refuses_a_broken_inference_pool(break_it):
+    _, pool = inference_pool_objects()
+    broken = copy.deepcopy(pool)
+    break_it(broken["spec"])
+    with pytest.raises(jsonschema.ValidationError):
+        validate_inference_pool(broken)
+
+
 def test_every_kvserve_variable_the_manifests_set_is_a_setting():
     containers = [only_container(statefulset_objects()[0]["spec"]["template"])]
+    containers.append(only_container(inference_pool_objects()[0]["spec"]["template"]))
     group = leaderworkerset_objects()[0]["spec"]["leaderWorkerTemplate"]
     containers += [only_container(group["leaderTemplate"]), only_container(group["workerTemplate"])]
     names = {variable["name"] for container in containers for variable in container["env"]}
