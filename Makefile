@@ -33,7 +33,8 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
-# The tests marked slow (cold C++ builds, start-ups killed in every phase: about 4 minutes); CI runs them too.
+# The tests marked slow (cold C++ builds, start-ups killed in every phase, Triton over quantized checkpoints:
+# about 7 minutes); CI runs them too.
 test-slow: install
 	$(BIN)/pytest -q -m slow
 

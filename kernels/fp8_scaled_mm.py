@@ -6,7 +6,8 @@ The input is quantized as `group_quant.quantize_activations` quantizes it (the s
 GEMM then multiplies the float8 operands and applies both scales to the float32 sums, where the reference
 multiplies the dequantized operands. Two roundings differ: the reference rounds each weight times its scale to
 the scales' dtype, and this path rounds the output to bfloat16 before the bias is added. So the results are
-within a few bfloat16 units of the reference, not equal to it; vLLM runs these checkpoints the same way.
+within a few bfloat16 units of the reference, not equal to it (vLLM's float8 path, too, multiplies float8
+operands and scales the sums).
 """
 
 import torch

@@ -6,9 +6,10 @@ their queues and KV caches as it routes to vLLM's. They are views of the same st
 - `vllm:num_requests_waiting` (the protocol's TotalQueuedRequests): requests queued, not running, preempted ones
   included;
 - `vllm:num_requests_running`: requests in the running batch;
-- `vllm:kv_cache_usage_perc` (KVCacheUtilization), and `vllm:gpu_cache_usage_perc`, the name pickers before vLLM
-  0.10 read: the share of KV blocks held by requests, from 0 to 1 (a fraction, as vLLM reports it, despite the
-  name); blocks kept only for the prefix cache count as free, as they are free to evict;
+- `vllm:kv_cache_usage_perc` (KVCacheUtilization), and `vllm:gpu_cache_usage_perc`, its older name, which earlier
+  vLLM releases exported and older pickers read: the share of KV blocks held by requests, from 0 to 1 (a
+  fraction, as vLLM reports it, despite the name); blocks kept only for the prefix cache count as free, as they are
+  free to evict;
 - `vllm:cache_config_info`: an info gauge (always 1) whose labels `block_size` and `num_gpu_blocks` give the
   cache's capacity in tokens (their product), as vLLM's does; `num_gpu_blocks` is the KV pool's block count on any
   device.
