@@ -2,7 +2,7 @@
 up) for compressed-tensors' FP8_DYNAMIC layers: float8 e4m3 weights with a scale per output channel, inputs
 quantized to float8 per token.
 
-The input is quantized as `group_quant.quantize_activations` quantizes it (the same scales and float8 values); the
+The input is quantized by `group_quant.quantized_activations`, as the reference quantizes it; the
 GEMM then multiplies the float8 operands and applies both scales to the float32 sums, where the reference
 multiplies the dequantized operands. Two roundings differ: the reference rounds each weight times its scale to
 the scales' dtype, and this path rounds the output to bfloat16 before the bias is added. So the results are
@@ -12,7 +12,7 @@ operands and scales the sums).
 
 import torch
 
-from kvserve.kernels.group_quant import FP8_MAX, GroupQuantizedWeight, activation_scales
+from kvserve.kernels.group_quant import GroupQuantizedWeight, quantized_activations
 
 
 def scaled_mm_takes(x: torch.Tensor, weight: GroupQuantizedWeight) -> bool:
@@ -30,9 +30,7 @@ def scaled_mm_takes(x: torch.Tensor, weight: GroupQuantizedWeight) -> bool:
 
 def fp8_scaled_linear(x: torch.Tensor, weight: GroupQuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] (bfloat16) times the float8 weight, scaled per token and per channel, plus bias."""
-    x_float = x.float()
-    input_scales = activation_scales(x_float, "fp8")  # [rows, 1]
-    quantized = torch.clamp(x_float / input_scales, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    quantized, input_scales = quantized_activations(x.float(), "fp8")  # float8 [rows, in], float32 [rows, 1]
     weight_scales = weight.scales.float().reshape(1, -1)  # [1, out]
     out = torch._scaled_mm(
         quantized, weight.values.t(), scale_a=input_scales, scale_b=weight_scales, out_dtype=torch.bfloat16

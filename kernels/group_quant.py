@@ -181,22 +181,27 @@ _ACTIVATION_RANGES = {"int8": (-128.0, 127.0), "fp8": (-FP8_MAX, FP8_MAX)}
 _ACTIVATION_HALF_RANGES = {"int8": 127.5, "fp8": FP8_MAX}
 
 
-def activation_scales(x: torch.Tensor, kind: str, largest: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's scale [tokens, 1] for `quantize_activations` (the float32 epsilon where a token is all zeros)."""
+def quantized_activations(
+    x: torch.Tensor, kind: str, largest: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, features] quantized per token, symmetrically, as compressed-tensors' dynamic activation
+    quantization does: scale = max|x| / (half the type's range: 127.5 for int8, 448 for float8; the float32 epsilon
+    where a token is all zeros), values clamped to the type's range and rounded (to nearest even integer; to float8
+    by the cast). Returns the values (int8's as whole numbers in x's dtype, float8's as float8) and each token's
+    scale [tokens, 1]. `largest`: each token's max|x| if x is a share of its features (a tensor-parallel rank's),
+    taken over all of them."""
+    low, high = _ACTIVATION_RANGES[kind]
     scale = (token_largest(x) if largest is None else largest) / _ACTIVATION_HALF_RANGES[kind]
-    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    clamped = torch.clamp(x / scale, low, high)
+    values = torch.round(clamped) if kind == "int8" else clamped.to(torch.float8_e4m3fn)
+    return values, scale
 
 
 def quantize_activations(x: torch.Tensor, kind: str, largest: torch.Tensor | None = None) -> torch.Tensor:
-    """x [tokens, features] quantized and dequantized per token, symmetrically, as compressed-tensors' dynamic
-    activation quantization does: scale = max|x| / (half the type's range: 127.5 for int8, 448 for float8), values
-    clamped to the type's range and rounded (to nearest even integer; to float8 by the cast). `largest`: each
-    token's max|x| if x is a share of its features (a tensor-parallel rank's), taken over all of them."""
-    low, high = _ACTIVATION_RANGES[kind]
-    scale = activation_scales(x, kind, largest)
-    clamped = torch.clamp(x / scale, low, high)
-    rounded = torch.round(clamped) if kind == "int8" else clamped.to(torch.float8_e4m3fn).to(x.dtype)
-    return rounded * scale
+    """x quantized and dequantized per token (`quantized_activations`): what compressed-tensors' forward multiplies."""
+    values, scale = quantized_activations(x, kind, largest)
+    return values.to(x.dtype) * scale
 
 
 def group_quantized_linear(x: torch.Tensor, weight: GroupQuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
