@@ -485,7 +485,8 @@ class AsyncLLMEngine:
         # A read waits for the device: about once a second, and when the engine goes idle (all counted).
         if now_s - self._expert_tokens_read_s >= EXPERT_TOKENS_INTERVAL_S or not core.has_unfinished():
             expert_tokens, self._expert_tokens_read_s = core.take_expert_tokens(), now_s
-        stats = self._stats.collect(core.queue_stats(), expert_tokens)  # collected even unread: nothing piles up
+        # Collected even unread: nothing piles up.
+        stats = self._stats.collect(core.queue_stats(), expert_tokens, core.num_dropped_kv_events)
         self._num_running = stats.num_running
         self._stats_window.record(stats, now_s)
         if self._on_stats is not None:

@@ -1,6 +1,7 @@
 """Engine settings in one frozen dataclass; derived values are resolved once the model is known."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -36,6 +37,17 @@ class EngineConfig:
         kvserve starts the other ranks itself, or joins them under torchrun-style variables (README).
     tensor_parallel_timeout_s: how long a step's collective may wait for a rank before the engine gives up on it
         (meeting and loading at start-up may take ten minutes; idle time between steps is not bounded).
+    prefix_cache_hash_seed: seed of the prefix cache's block hashes (vLLM's NONE_HASH seed); None means
+        $PYTHONHASHSEED if set, else vLLM's default, so replicas and routers agree on every block's hash.
+    kv_events_endpoint: publish KV-cache events (vLLM's format) on this ZMQ endpoint, e.g. "tcp://*:5557"
+        (bound) or "tcp://router:5557" (connected to); None (the default) publishes nothing.
+    kv_events_replay_endpoint: a ZMQ ROUTER endpoint (bound) replaying recent batches to a subscriber that missed
+        some; kv_events_replay_batches: how many are kept.
+    kv_events_topic: the topic every batch is sent under (llm-d reads "kv@<pod>@<model>").
+    kv_events_queue_size: batches (one per step that changed the cache) waiting to be sent; past it a step drops
+        its batch and counts the events in kvserve:kv_events_dropped_total.
+    kv_events_format: "map" (tagged maps, vLLM's current encoding) or "array" (positional, vLLM's older one).
+    kv_events_int_hashes: block hashes as their low 64 bits (vLLM's default) instead of all 32 bytes.
     """
 
     model: str | None = None
@@ -58,6 +70,14 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    prefix_cache_hash_seed: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_replay_batches: int = 10_000
+    kv_events_topic: str = ""
+    kv_events_queue_size: int = 1000
+    kv_events_format: Literal["map", "array"] = "map"
+    kv_events_int_hashes: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,6 +95,17 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the events it replays)")
+        if self.kv_events_queue_size < 1 or self.kv_events_replay_batches < 1:
+            raise ValueError("kv_events_queue_size and kv_events_replay_batches must be at least 1")
+        if self.kv_events_format not in ("map", "array"):
+            raise ValueError(f"kv_events_format must be map or array, got {self.kv_events_format!r}")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_events_endpoint needs enable_prefix_caching: without it no block is ever cached")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

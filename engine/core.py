@@ -12,6 +12,7 @@ LongRoPE's rule that a sequence grown past the original context computes its cac
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +31,11 @@ from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
 from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
 from kvserve.engine.worker import Worker
 from kvserve.kvcache import BlockAllocator, KVUsage
+from kvserve.kvcache.block_hash import resolve_hash_seed
 from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats
+
+if TYPE_CHECKING:
+    from kvserve.engine.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +84,38 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
+                block_hash_seed=resolve_hash_seed(config.prefix_cache_hash_seed),
             ),
-            BlockAllocator(num_blocks),
+            BlockAllocator(num_blocks, record_events=config.kv_events_endpoint is not None),
             config.block_size,
         )
+        self.kv_events = self._start_kv_events(config)
         self._token_masks = TokenMasks(config.max_num_seqs, grammars.mask_vocab_size, self.vocab_size, self.device)
         self._sampling: dict[str, _Sampling] = {}
         self._prompt_scoring = PromptScoring()
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
+
+    def _start_kv_events(self, config: EngineConfig) -> "KVEventPublisher | None":
+        if config.kv_events_endpoint is None:
+            return None
+        from kvserve.engine.kv_events import KVEventPublisher, KVEventsConfig  # pyzmq only when events are on
+
+        settings = KVEventsConfig(
+            endpoint=config.kv_events_endpoint,
+            block_size=config.block_size,
+            medium="GPU" if self.device.type == "cuda" else "CPU",
+            replay_endpoint=config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic,
+            queue_size=config.kv_events_queue_size,
+            replay_batches=config.kv_events_replay_batches,
+            format=config.kv_events_format,
+            int_hashes=config.kv_events_int_hashes,
+        )
+        try:
+            return KVEventPublisher(settings)
+        except BaseException:
+            self.kill_ranks()
+            raise
 
     def _build_worker(self, config: EngineConfig, progress: StartupProgress) -> None:
         group = self.ranks.group if self.ranks is not None else None
@@ -176,7 +205,18 @@ class EngineCore:
                 self.scheduler.finish(request, output.finish_reason)
                 self._forget(request.request_id)
             outputs.append(output)
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return StepResult(outputs, scheduler_output)
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.allocator.take_events()
+        if events:
+            self.kv_events.publish(events)
+
+    @property
+    def num_dropped_kv_events(self) -> int:
+        return self.kv_events.num_dropped_events if self.kv_events is not None else 0
 
     def _finish_reason(self, request: Request, sampling: "_Sampling", token_id: int) -> FinishReason | None:
         """Why the token ends the request, if it does: a stop token, max_tokens, or a grammar that rejects it."""
@@ -252,7 +292,9 @@ class EngineCore:
             self.ranks.kill()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (the core takes no more steps)."""
+        """Stop the other tensor-parallel ranks, if any, and the events publisher (the core takes no more steps)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.ranks is not None:
             self.ranks.stop()
 

@@ -55,6 +55,7 @@ class StepStats:
     # Tokens routed to each expert (summed over MoE layers) since the last report that had them; empty in the
     # reports between (they are read about once a second) and for models without experts.
     expert_tokens: list[int] = field(default_factory=list)
+    num_dropped_kv_events: int = 0  # KV-cache events the publisher's full queue turned away
 
 
 @dataclass
@@ -75,6 +76,7 @@ class StatsTracker:
         self._pending = _Pending()
         self._prefix_cache_queried_tokens = 0  # the scheduler's running totals at the last collect
         self._prefix_cache_hit_tokens = 0
+        self._num_dropped_kv_events = 0  # the publisher's running total at the last collect
 
     def arrived(self, request_id: str, num_prompt_tokens: int, arrival_s: float) -> None:
         self._times[request_id] = _RequestTimes(arrival_s, num_prompt_tokens)
@@ -106,8 +108,11 @@ class StatsTracker:
         if reason in ("stop", "length"):
             self._pending.completed.append(_completed(times))
 
-    def collect(self, queues: SchedulerStats, expert_tokens: list[int] | None = None) -> StepStats:
-        """Everything since the last call, with the queues and KV cache as they are now."""
+    def collect(
+        self, queues: SchedulerStats, expert_tokens: list[int] | None = None, num_dropped_kv_events: int = 0
+    ) -> StepStats:
+        """Everything since the last call, with the queues and KV cache as they are now (`num_dropped_kv_events`:
+        the publisher's total so far)."""
         pending, self._pending = self._pending, _Pending()
         queried, hit = queues.prefix_cache_queried_tokens, queues.prefix_cache_hit_tokens
         stats = StepStats(
@@ -127,7 +132,9 @@ class StatsTracker:
             finish_reasons=pending.finish_reasons,
             completed=pending.completed,
             expert_tokens=expert_tokens or [],
+            num_dropped_kv_events=num_dropped_kv_events - self._num_dropped_kv_events,
         )
+        self._num_dropped_kv_events = num_dropped_kv_events
         self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit
         return stats
 

@@ -1,20 +1,21 @@
 """Fixed-size KV block allocator with reference counts and a cache of full blocks' contents.
 
-Blocks are shared by reference count. A full block can be registered under a `BlockKey` (its tokens and the
-digest of everything before it); when its last holder frees it, it keeps its contents and stays findable until a
-new allocation needs the space, least recently freed first.
+Blocks are shared by reference count. A full block can be registered under a `BlockKey` (its tokens and the hash
+of everything before it); when its last holder frees it, it keeps its contents and stays findable until a new
+allocation needs the space, least recently freed first.
 
-Keys are SHA-256 digests chained from block to block, so no two different prefixes share a key (with Python's
-`hash`, a crafted prompt could collide with another user's chain and be answered from their cache, as in vLLM's
-advisory GHSA-rm76-4mrf-v9r8). A request's chain starts from a root digest of what else decides its K and V
-besides the tokens, its cache salt: requests with different salts never share a block, so tenants can keep their
-caches apart.
+Keys are SHA-256 hashes chained from block to block (kvcache/block_hash.py), so no two different prefixes share a
+key (with Python's `hash`, a crafted prompt could collide with another user's chain and be answered from their
+cache, as in vLLM's advisory GHSA-rm76-4mrf-v9r8); a lookup checks the tokens and parent too.
+
+With `record_events`, the allocator notes every block that becomes findable or stops being findable (kvcache/
+events.py), for the KV-cache events a router subscribes to; `take_events` hands them over once per step.
 """
 
-import hashlib
-import struct
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+
+from kvserve.kvcache.block_hash import BlockKey
+from kvserve.kvcache.events import AllBlocksCleared, BlocksRemoved, BlocksStored, CacheEvent, merge_runs
 
 
 class KVCacheError(Exception):
@@ -29,34 +30,10 @@ class DoubleFreeError(KVCacheError):
     """Raised when a block that is not allocated is freed (or forked)."""
 
 
-_ROOT_DOMAIN = b"kvserve prefix cache v1\0"
-
-
-def root_digest(cache_salt: str | None = None) -> bytes:
-    """The parent digest of a request's first block: one per cache salt (and one for requests without)."""
-    salt = b"" if cache_salt is None else b"salt\0" + cache_salt.encode()
-    return hashlib.sha256(_ROOT_DOMAIN + salt).digest()
-
-
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """What a full block holds: its token ids, after the prefix whose chained digest is `parent_digest`; `digest`
-    (SHA-256 of the parent's digest and the tokens as little-endian int32) is computed once, by `of`."""
-
-    parent_digest: bytes
-    token_ids: tuple[int, ...]
-    digest: bytes
-
-    @classmethod
-    def of(cls, parent_digest: bytes, token_ids: tuple[int, ...]) -> "BlockKey":
-        tokens = struct.pack(f"<{len(token_ids)}i", *token_ids)
-        return cls(parent_digest, token_ids, hashlib.sha256(parent_digest + tokens).digest())
-
-
 class BlockAllocator:
     """Hands out block ids in [0, num_blocks), tracks their ref counts, and keeps freed full blocks findable."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -65,6 +42,7 @@ class BlockAllocator:
         self._ref_counts = [0] * num_blocks
         self._block_by_digest: dict[bytes, int] = {}
         self._key_by_block: dict[int, BlockKey] = {}
+        self._events: list[CacheEvent] | None = [] if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,6 +64,10 @@ class BlockAllocator:
     def evictable_block_ids(self) -> list[int]:
         """Blocks nobody holds that still hold cached contents, least recently freed first."""
         return list(self._evictable)
+
+    def cached_keys(self) -> list[BlockKey]:
+        """The key of every block findable by the prefix cache (held or not)."""
+        return list(self._key_by_block.values())
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -132,10 +114,32 @@ class BlockAllocator:
             return
         self._block_by_digest[key.digest] = block_id
         self._key_by_block[block_id] = key
+        if self._events is not None:
+            self._events.append(BlocksStored((key.digest,), key.parent_digest, key.token_ids, (key.extra_keys,)))
 
     def _forget(self, block_id: int) -> None:
         key = self._key_by_block.pop(block_id)
         del self._block_by_digest[key.digest]
+        if self._events is not None:
+            self._events.append(BlocksRemoved((key.digest,)))
+
+    def clear_cache(self) -> None:
+        """Forget every cached block's contents: blocks nobody holds become free, held ones stay with their
+        holders (and are not cached when freed)."""
+        self._free_block_ids.extend(self._evictable)
+        self._evictable.clear()
+        self._block_by_digest.clear()
+        self._key_by_block.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[CacheEvent]:
+        """What changed in the cache since the last call, oldest first (consecutive stores of one chain as one
+        event); empty unless the allocator records events."""
+        if not self._events:
+            return []
+        events, self._events = merge_runs(self._events), []
+        return events
 
     def fork(self, block_ids: list[int]) -> list[int]:
         """Share already allocated blocks with one more holder; returns the same ids."""

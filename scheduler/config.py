@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from kvserve.kvcache.block_hash import DEFAULT_HASH_SEED
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -12,7 +14,8 @@ class SchedulerConfig:
     left of the step's token budget (or than `max_prefill_chunk_tokens`) is computed over several
     steps, alongside the decodes; without it, a prompt waits until it fits whole. With
     `enable_prefix_caching`, an admitted request reuses the cached blocks of its longest cached
-    prefix and computes only the rest.
+    prefix and computes only the rest. `block_hash_seed` seeds the chain of block hashes (vLLM's
+    `NONE_HASH` seed): replicas with the same seed give the same prefix the same hashes.
     """
 
     max_num_seqs: int = 64
@@ -21,6 +24,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     max_prefill_chunk_tokens: int | None = None
     enable_prefix_caching: bool = False
+    block_hash_seed: str = DEFAULT_HASH_SEED
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -9,7 +9,7 @@ admitted request is preempted (its blocks freed, put back at the front of the qu
 
 from collections import deque
 
-from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage, root_digest
+from kvserve.kvcache import BlockAllocator, BlockHasher, KVUsage, cache_salt_keys
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -20,6 +20,7 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.block_size = block_size
+        self.hasher = BlockHasher(config.block_hash_seed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
         self._requests: dict[str, Request] = {}
@@ -221,11 +222,13 @@ class Scheduler:
         return block_ids
 
     def _extend_block_keys(self, request: Request, num_blocks: int) -> None:
-        size = self.block_size
-        for index in range(len(request.block_keys), num_blocks):
-            parent = request.block_keys[index - 1].digest if index else root_digest(request.cache_salt)
+        size, keys = self.block_size, request.block_keys
+        for index in range(len(keys), num_blocks):
             tokens = tuple(request.token_ids(index * size, (index + 1) * size))
-            request.block_keys.append(BlockKey.of(parent, tokens))
+            if index:
+                keys.append(self.hasher.key(keys[index - 1], tokens))
+            else:
+                keys.append(self.hasher.key(None, tokens, cache_salt_keys(request.cache_salt)))
 
     def _register_full_blocks(self, request: Request) -> None:
         num_full_blocks = request.num_computed_tokens // self.block_size

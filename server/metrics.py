@@ -80,6 +80,9 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("preemptions", "Requests preempted to free KV blocks (recomputed later).")
+        self.kv_events_dropped = counter(
+            "kv_events_dropped", "KV-cache events not published because the publisher's queue was full."
+        )
         self.prefix_cache_queried_tokens = counter(
             "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache at admission."
         )
@@ -164,6 +167,7 @@ class ServerMetrics:
             (self.preemptions, stats.num_preemptions),
             (self.prefix_cache_queried_tokens, stats.prefix_cache_queried_tokens),
             (self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),
+            (self.kv_events_dropped, stats.num_dropped_kv_events),
         ):
             if amount:
                 counter.inc(amount)

@@ -13,7 +13,7 @@ from kvserve.engine import EngineConfig, LLMEngine, SamplingParams
 from kvserve.engine import async_engine as async_engine_module
 from kvserve.engine.engine_state import WINDOW_S, StatsWindow, take_engine_state
 from kvserve.engine.stats import StepStats
-from kvserve.kvcache import BlockAllocator, BlockKey, KVUsage, root_digest
+from kvserve.kvcache import BlockAllocator, BlockHasher, BlockKey, KVUsage
 from kvserve.kvcache.block_map import BlockState, block_ranges, build_block_map, encode_states, run_lengths
 from kvserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from kvserve.server.protocol import EngineStateResponse
@@ -27,7 +27,7 @@ PREFIX = [5 + (7 * i) % 400 for i in range(5 * BLOCK_SIZE)]  # five full blocks 
 
 
 def _key(i: int) -> BlockKey:
-    return BlockKey.of(root_digest(), (i,))
+    return BlockHasher().key(None, (i,))
 
 
 def _expand(ranges) -> list[int]:

@@ -1,8 +1,6 @@
 """Prefix caching: repeated prompt prefixes reuse cached KV blocks; outputs are unchanged, nothing leaks."""
 
-import hashlib
 import json
-import struct
 
 import pytest
 import torch
@@ -10,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine import LLM, RequestDelta, SamplingParams
-from kvserve.kvcache import BlockAllocator, BlockKey, DoubleFreeError, root_digest
+from kvserve.kvcache import BlockAllocator, BlockHasher, BlockKey, DoubleFreeError, cache_salt_keys
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -121,8 +119,11 @@ def test_aborting_one_holder_of_a_shared_prefix_leaves_the_other_unchanged(tiny_
 # --- Allocator with cached blocks -----------------------------------------------------------------------------------
 
 
+HASHER = BlockHasher()
+
+
 def _key(i: int) -> BlockKey:
-    return BlockKey.of(root_digest(), (i, i + 1))
+    return HASHER.key(None, (i, i + 1))
 
 
 def test_a_freed_cached_block_is_found_again_until_an_allocation_evicts_it_least_recent_first():
@@ -146,24 +147,29 @@ def test_lookup_checks_the_parent_and_the_tokens_not_only_the_digest():
     key = _key(1)
     allocator.register(block, key)
     # Forged keys carrying the registered digest: with SHA-256 no real key does, but a hit is verified anyway.
-    other_tokens = BlockKey(key.parent_digest, (1, 3), key.digest)
-    other_parent = BlockKey(root_digest("another tenant"), key.token_ids, key.digest)
-    assert allocator.lookup(other_tokens) is None and allocator.lookup(other_parent) is None
-    assert allocator.lookup(BlockKey.of(key.parent_digest, key.token_ids)) == block
+    other_tokens = BlockKey(key.parent_digest, (1, 3), None, key.digest)
+    other_parent = BlockKey(_key(7).digest, key.token_ids, None, key.digest)
+    other_extra = BlockKey(key.parent_digest, key.token_ids, cache_salt_keys("another tenant"), key.digest)
+    assert all(allocator.lookup(forged) is None for forged in (other_tokens, other_parent, other_extra))
+    assert allocator.lookup(HASHER.key(None, key.token_ids)) == block
 
 
-def test_keys_chain_a_sha256_digest_over_the_parent_and_the_tokens():
-    parent = root_digest()
-    key = BlockKey.of(parent, (1, 2, 70000))
-    assert key.digest == hashlib.sha256(parent + struct.pack("<3i", 1, 2, 70000)).digest()
-    # Python's hash of (parent, tokens) chains predictably; the digest of one earlier token changes every later key.
-    first, changed_first = BlockKey.of(parent, (1, 2)), BlockKey.of(parent, (1, 3))
-    assert BlockKey.of(first.digest, (5, 6)).digest != BlockKey.of(changed_first.digest, (5, 6)).digest
+def test_keys_chain_over_the_parent_so_one_changed_token_changes_every_later_key():
+    first, changed_first = HASHER.key(None, (1, 2)), HASHER.key(None, (1, 3))
+    assert HASHER.key(first, (5, 6)).digest != HASHER.key(changed_first, (5, 6)).digest
+    assert HASHER.key(first, (5, 6)) == HASHER.key(HASHER.key(None, (1, 2)), (5, 6))
 
 
-def test_a_cache_salt_starts_its_own_chain():
-    assert len({root_digest(), root_digest("a"), root_digest("b"), root_digest("")}) == 4
-    assert root_digest("a") == root_digest("a")
+def test_a_cache_salt_or_another_seed_starts_its_own_chain():
+    tokens = (1, 2)
+    first_blocks = {
+        HASHER.key(None, tokens).digest,
+        HASHER.key(None, tokens, cache_salt_keys("a")).digest,
+        HASHER.key(None, tokens, cache_salt_keys("b")).digest,
+        BlockHasher("another seed").key(None, tokens).digest,
+    }
+    assert len(first_blocks) == 4
+    assert cache_salt_keys(None) is None and cache_salt_keys("") is None  # no salt: vLLM's rule too
 
 
 def test_registering_or_taking_an_unallocated_block_is_refused():

@@ -29,6 +29,7 @@ EXPECTED_TYPES = {
     "kvserve:prompt_tokens": "counter",
     "kvserve:generation_tokens": "counter",
     "kvserve:preemptions": "counter",
+    "kvserve:kv_events_dropped": "counter",
     "kvserve:prefix_cache_queried_tokens": "counter",
     "kvserve:prefix_cache_hit_tokens": "counter",
     "kvserve:client_disconnects": "counter",
