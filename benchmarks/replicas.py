@@ -16,9 +16,10 @@ Workloads, each --conversations conversations of --turns turns, --concurrency co
 - shared: --system-prompts system prompts of 1000-1500 tokens; conversation i opens with prompt i mod that count;
 - no-sharing: every conversation its own system prompt of the same lengths.
 A turn's prompt is the system prompt, the turns before (each user message and the reply the model gave) and a new
-user message of ~48 tokens; 32 tokens come back (greedy, ignore_eos), streamed (/v1/completions). The KV cache is
-sized so that a replica holds about 5 of the 8 system prompts: round-robin sends all 8 to each replica, which then
-evicts them in turn, where prefix-aware routing keeps each prompt on one replica.
+user message of ~48 tokens; 32 tokens come back (greedy, ignore_eos), streamed (/v1/completions). A replica's KV
+cache (64 MiB: 8k tokens) holds about 4 of the 8 system prompts besides the conversations in flight: round-robin
+sends all 8 to each replica, which then evicts them in turn, where prefix-aware routing can keep each prompt on one
+replica.
 
 Each (policy, workload) run starts fresh replicas and a fresh router; rounds alternate the policies' order. Printed
 per run and as medians over the rounds: TTFT p50 and p90, output tokens/s, and each replica's requests and
@@ -146,12 +147,12 @@ async def _stream_completion(client: httpx.AsyncClient, base_url: str, prompt: s
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            if chunk.get("choices"):  # a token came (its text may be empty: part of a character)
                 first_s = first_s or time.perf_counter()
                 text.append(chunk["choices"][0]["text"])
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
-    if first_s is None or num_tokens != OUTPUT_TOKENS:
+    if first_s is None or num_tokens != OUTPUT_TOKENS:  # ignore_eos: every turn is OUTPUT_TOKENS long
         raise RuntimeError(f"a completion came back with {num_tokens} tokens, not {OUTPUT_TOKENS}")
     return first_s - start_s, "".join(text), num_tokens
 
@@ -275,7 +276,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8, help="conversations in flight at once")
-    parser.add_argument("--kv-cache-mib", type=int, default=48, help="each replica's KV cache (8 KiB a token)")
+    parser.add_argument("--kv-cache-mib", type=int, default=64, help="each replica's KV cache (8 KiB a token)")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     args = parser.parse_args()
 

@@ -107,6 +107,10 @@ class SamplingFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached prefixes only within a salt
+    # SGLang's fields that vllm-router and sglang-router add to every request they forward, at these defaults:
+    # accepted at values kvserve serves, refused otherwise (server/supported_fields.py).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -179,6 +183,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Fields the routers also add to chat requests (vLLM's and SGLang's); see SamplingFields.
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
     # OpenAI fields that are accepted only with the values kvserve serves (see server/supported_fields.py).
     modalities: list[str] | None = None
     service_tier: str | None = None

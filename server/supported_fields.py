@@ -2,6 +2,14 @@
 
 Fields are refused only when set to something that would change the answer: `store: false`,
 `service_tier: "auto"` or `modalities: ["text"]` ask for what kvserve does anyway.
+
+Routers (vllm-router, sglang-router) forward requests re-serialized with SGLang's and vLLM's fields at their
+defaults: `no_stop_trim: false` and `return_hidden_states: false` everywhere, and on chat `continue_final_message:
+false`, `separate_reasoning`, `stream_reasoning` and `include_reasoning: true`. The first three are served at those
+values only. The reasoning fields act only where a reasoning parser splits the model's reasoning from its answer;
+kvserve has none, so the whole output is the content, as it is in vLLM and SGLang without `--reasoning-parser`:
+not separating and not streaming reasoning apart is what every value of those two gets, while `include_reasoning:
+false` (drop the reasoning) cannot be served and is refused.
 """
 
 from kvserve.server.errors import bad_request
@@ -24,6 +32,10 @@ _SERVED_SERVICE_TIERS = (None, "auto", "default")
 
 
 def check_sampling_fields(body: SamplingFields) -> None:
+    if body.no_stop_trim:
+        raise bad_request("stop strings are always cut from the text", param="no_stop_trim")
+    if body.return_hidden_states:
+        raise bad_request("hidden states are not returned", param="return_hidden_states")
     if body.stream_options is not None and body.stream_options.include_obfuscation:
         raise bad_request("stream obfuscation is not supported", param="stream_options.include_obfuscation")
     if body.prompt_logprobs is not None and body.stream:
@@ -51,3 +63,10 @@ def check_chat_fields(body: ChatCompletionRequest) -> None:
         raise bad_request(f"service_tier {body.service_tier!r} is not supported; use 'auto'", param="service_tier")
     if body.store:
         raise bad_request("kvserve does not store completions: `store` must be false", param="store")
+    if body.continue_final_message:
+        raise bad_request("continuing the final message is not supported", param="continue_final_message")
+    if not body.include_reasoning:
+        raise bad_request(
+            "kvserve has no reasoning parser: reasoning cannot be told from the answer and left out",
+            param="include_reasoning",
+        )

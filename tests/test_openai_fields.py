@@ -40,6 +40,35 @@ def sdk_fields(params: type) -> set[str]:
     return set(typing.get_type_hints(params))
 
 
+# What vllm-router 0.1.17 and sglang-router 0.3.2 forwarded to a worker for a plain request (captured from both):
+# each re-serializes the body with SGLang's and vLLM's fields at their defaults.
+ROUTER_ADDED_FIELDS = {"no_stop_trim": False, "return_hidden_states": False, "skip_special_tokens": True}
+ROUTER_ADDED_CHAT_FIELDS = {**ROUTER_ADDED_FIELDS, "continue_final_message": False, "separate_reasoning": True,
+                            "stream_reasoning": True, "include_reasoning": True, "logprobs": False}  # fmt: skip
+ROUTER_FIELD_VALUES_REFUSED = [
+    (COMPLETIONS, "no_stop_trim", True), (COMPLETIONS, "return_hidden_states", True), (CHAT, "no_stop_trim", True),
+    (CHAT, "continue_final_message", True), (CHAT, "include_reasoning", False),
+]  # fmt: skip
+
+
+def test_what_the_routers_forward_is_served(server):
+    completion = {"model": TINY_MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": False, **ROUTER_ADDED_FIELDS}
+    chat = {"model": TINY_MODEL, "messages": MESSAGES, "max_completion_tokens": 2, **ROUTER_ADDED_CHAT_FIELDS}
+    # Not separating reasoning is what kvserve does anyway: it has no reasoning parser.
+    unseparated = {**chat, "separate_reasoning": False, "stream_reasoning": False}
+    for route, body in ((COMPLETIONS, completion), (CHAT, chat), (CHAT, unseparated)):
+        response = httpx.post(server.base_url + route, json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("route", "field", "value"), ROUTER_FIELD_VALUES_REFUSED)
+def test_a_router_field_asking_for_what_kvserve_does_not_do_is_a_400_naming_it(server, route, field, value):
+    body = {"model": TINY_MODEL, "max_tokens": 2, field: value}
+    body.update({"prompt": PROMPT} if route == COMPLETIONS else {"messages": MESSAGES})
+    assert_openai_error(httpx.post(server.base_url + route, json=body, timeout=30), 400, field)
+
+
 @pytest.mark.parametrize(
     ("sdk_params", "ours"),
     [(completion_create_params.CompletionCreateParamsBase, CompletionRequest),
