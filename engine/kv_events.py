@@ -13,7 +13,8 @@ batch]`, then `[b"", b"", -1 (8 bytes, signed), b""]`.
 
 The engine step only puts its events on a bounded queue; a thread encodes and sends them. When the queue is full
 the step drops the batch and counts its events (`num_dropped_events`): the engine never waits for a subscriber.
-(ZMQ's own high-water mark may drop messages to a slow subscriber too; sequence numbers show the gap.) The first
+A dropped batch still takes its sequence number, so subscribers see the gap (which no replay can fill: an indexer
+then knows its picture of this replica is incomplete), as they do when ZMQ's high-water mark drops a message. The first
 batch, sequence 0, is `AllBlocksCleared`: a replica that restarts tells the indexer its old blocks are gone.
 """
 
@@ -72,18 +73,19 @@ class KVEventPublisher:
             self._close_sockets()
             endpoints = f"{config.endpoint!r} / {config.replay_endpoint!r}"
             raise ValueError(f"kv events: cannot open {endpoints}: {error}") from None
-        self._queue: queue.Queue[tuple[float, list[CacheEvent]] | None] = queue.Queue(config.queue_size)
+        self._queue: queue.Queue[tuple[int, float, list[CacheEvent]] | None] = queue.Queue(config.queue_size)
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
         self._topic = config.topic.encode()
-        self._next_seq = 0
-        self._queue.put((time.time(), [AllBlocksCleared()]))
+        self._next_seq = 0  # the engine thread's: every batch takes one, sent or dropped
+        self.publish([AllBlocksCleared()])
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
     def publish(self, events: list[CacheEvent]) -> None:
         """Queue one step's events; if the queue is full they are dropped and counted."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            self._queue.put_nowait((time.time(), events))
+            self._queue.put_nowait((seq, time.time(), events))
         except queue.Full:
             self.num_dropped_events += len(events)
 
@@ -102,8 +104,11 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                self._answer_replay()
+            try:
+                if self._replay is not None and self._replay.poll(0):
+                    self._answer_replay()
+            except Exception:
+                logger.exception("kv events: a replay request could not be answered")
             try:
                 item = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
@@ -115,12 +120,10 @@ class KVEventPublisher:
             except Exception:
                 logger.exception("kv events: a batch could not be sent")
 
-    def _send(self, timestamp: float, events: list[CacheEvent]) -> None:
+    def _send(self, seq: int, timestamp: float, events: list[CacheEvent]) -> None:
         payload = msgpack.packb([timestamp, [self._encode(event) for event in events], 0])
-        seq = self._next_seq.to_bytes(8, "big")
-        self._pub.send_multipart((self._topic, seq, payload))
-        self._sent.append((self._next_seq, payload))
-        self._next_seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._sent.append((seq, payload))
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()

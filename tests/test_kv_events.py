@@ -246,14 +246,16 @@ class _StuckPublisher(KVEventPublisher):
         self.unstick = threading.Event()
         super().__init__(*args, **kwargs)
 
-    def _send(self, timestamp, events) -> None:
+    def _send(self, seq, timestamp, events) -> None:
         self.unstick.wait()
-        super()._send(timestamp, events)
+        super()._send(seq, timestamp, events)
 
 
-def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path):
-    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/stuck", block_size=BLOCK_SIZE, medium="CPU", queue_size=2)
+def test_a_full_queue_drops_and_counts_instead_of_waiting_and_leaves_a_gap(tmp_path):
+    endpoint, replay = _endpoints(tmp_path)
+    config = KVEventsConfig(endpoint, BLOCK_SIZE, "CPU", replay_endpoint=replay, queue_size=2)
     publisher = _StuckPublisher(config)
+    subscriber = Subscriber(endpoint, replay)
     try:
         event = BlocksRemoved((bytes(32),) * 3)
         start_s = time.monotonic()
@@ -262,9 +264,24 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path):
         assert time.monotonic() - start_s < 0.5  # no step waited on the socket
         # The thread holds the start-up batch, the queue two more: the other eight steps' events were dropped.
         assert publisher.num_dropped_events == 16
+        publisher.unstick.set()
+        _replay_until(subscriber, 2)  # the queue has drained
+        publisher.publish([event])
+        _replay_until(subscriber, 11)
+        # The dropped batches kept their sequence numbers: a subscriber sees the gap.
+        assert sorted(subscriber.payloads) == [0, 1, 2, 11] and subscriber.missing() == list(range(3, 11))
     finally:
         publisher.unstick.set()
         publisher.close()
+        subscriber.close()
+
+
+def _replay_until(subscriber: Subscriber, seq: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while seq not in subscriber.payloads:
+        assert time.monotonic() < deadline, f"batch {seq} never came"
+        subscriber.replay(0)
+        time.sleep(0.01)
 
 
 def test_dropped_events_reach_the_stats_as_what_changed_since_the_last_collect():
