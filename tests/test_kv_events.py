@@ -244,9 +244,11 @@ class _StuckPublisher(KVEventPublisher):
 
     def __init__(self, *args, **kwargs) -> None:
         self.unstick = threading.Event()
+        self.stuck = threading.Event()
         super().__init__(*args, **kwargs)
 
     def _send(self, seq, timestamp, events) -> None:
+        self.stuck.set()
         self.unstick.wait()
         super()._send(seq, timestamp, events)
 
@@ -258,6 +260,8 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting_and_leaves_a_gap(tmp_p
     subscriber = Subscriber(endpoint, replay)
     try:
         event = BlocksRemoved((bytes(32),) * 3)
+        # Only once the thread holds the start-up batch is the queue's count of free places known.
+        assert publisher.stuck.wait(timeout=10)
         start_s = time.monotonic()
         for _ in range(10):
             publisher.publish([event, event])
