@@ -48,6 +48,12 @@ class EngineConfig:
         its batch and counts the events in kvserve:kv_events_dropped_total.
     kv_events_format: "map" (tagged maps, vLLM's current encoding) or "array" (positional, vLLM's older one).
     kv_events_int_hashes: block hashes as their low 64 bits (vLLM's default) instead of all 32 bytes.
+    enable_lora: serve LoRA adapters (PEFT's format) over the base model, many in one batch.
+    max_loras: adapters resident at once (their weights in the model's slots); a step runs requests of at most
+        this many adapters, and others wait. Every adapter loaded is kept on the host and copied into a slot when a
+        step needs it, replacing the least recently used one.
+    max_lora_rank: the largest rank an adapter may have (the slots are this wide).
+    lora_modules: (name, path) of adapters loaded at start.
     """
 
     model: str | None = None
@@ -78,6 +84,10 @@ class EngineConfig:
     kv_events_queue_size: int = 1000
     kv_events_format: Literal["map", "array"] = "map"
     kv_events_int_hashes: bool = True
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -96,6 +106,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         self._check_kv_events()
+        self._check_lora()
 
     def _check_kv_events(self) -> None:
         if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:
@@ -106,6 +117,14 @@ class EngineConfig:
             raise ValueError(f"kv_events_format must be map or array, got {self.kv_events_format!r}")
         if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
             raise ValueError("kv_events_endpoint needs enable_prefix_caching: without it no block is ever cached")
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -19,6 +19,8 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.cpu_memory import keep_freed_memory_resident
 from kvserve.engine.engine_state import EngineState, StatsWindow, take_engine_state
+from kvserve.engine.lora.manager import LoraManager
+from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.models.moe import SparseMoeBlock
 from kvserve.engine.parallel.launch import start_ranks
@@ -30,8 +32,9 @@ from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
 from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
 from kvserve.engine.worker import Worker
-from kvserve.kvcache import BlockAllocator, KVUsage
+from kvserve.kvcache import AdapterTag, BlockAllocator, BlockKey, KVUsage
 from kvserve.kvcache.block_hash import resolve_hash_seed
+from kvserve.kvcache.events import BlocksStored, CacheEvent
 from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ class _Sampling:
     params: SamplingParams
     row: SamplingRow  # its generator (seeded requests), penalty counts, logit bias and grammar
     stop_token_ids: frozenset[int]  # its stop ids, and EOS unless it ignores it
+    lora: AdapterTag | None  # the LoRA adapter it runs under
 
 
 class EngineCore:
@@ -85,10 +89,12 @@ class EngineCore:
                 max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
                 block_hash_seed=resolve_hash_seed(config.prefix_cache_hash_seed),
+                max_loras=config.max_loras if config.enable_lora else None,
             ),
             BlockAllocator(num_blocks, record_events=config.kv_events_endpoint is not None),
             config.block_size,
         )
+        self.loras = LoraManager(config.max_loras, self.runner.worker.write_lora) if config.enable_lora else None
         self.kv_events = self._start_kv_events(config)
         self._token_masks = TokenMasks(config.max_num_seqs, grammars.mask_vocab_size, self.vocab_size, self.device)
         self._sampling: dict[str, _Sampling] = {}
@@ -142,13 +148,16 @@ class EngineCore:
         # A cached prefix has no logits: a request that wants the prompt's logprobs computes all of it.
         wants_prompt_logprobs = params.prompt_logprobs is not None
         scheduled = Request(
-            request.request_id, token_ids, reuses_cached_prefix=not wants_prompt_logprobs, cache_salt=request.cache_salt
-        )
+            request.request_id, token_ids, reuses_cached_prefix=not wants_prompt_logprobs,
+            cache_salt=request.cache_salt, lora=request.lora,
+        )  # fmt: skip
         if self._rotates_long(scheduled):
             _keep_out_of_prefix_cache(scheduled)
         self.scheduler.add(scheduled)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        self._sampling[request.request_id] = _Sampling(params, row, frozenset(stop_ids))
+        self._sampling[request.request_id] = _Sampling(params, row, frozenset(stop_ids), request.lora)
+        if request.lora is not None:
+            self.loras.acquire(request.lora)
         if wants_prompt_logprobs:
             self._prompt_scoring.add(scheduled, params.prompt_logprobs)
 
@@ -190,7 +199,10 @@ class EngineCore:
                 min_tokens = state.params.min_tokens
                 rows.append(state.row if not min_tokens else self._sampling_row(request, state))
         prompt_rows, prompt_targets = self._prompt_scoring.rows(scheduler_output)
-        logits = self.runner.execute(scheduler_output, prompt_rows)
+        lora_slots = None
+        if self.loras is not None:
+            lora_slots = self.loras.slots_for(item.request.lora for item in scheduler_output.scheduled)
+        logits = self.runner.execute(scheduler_output, prompt_rows, lora_slots)
         if prompt_rows:
             self._prompt_scoring.record(logits[len(rows) :], prompt_targets)
         sampled = sample(logits[: len(rows)], rows, self._generator, self._token_masks)
@@ -211,8 +223,15 @@ class EngineCore:
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.allocator.take_events()
+        if self.loras is not None:
+            events = [self._with_lora_id(event) for event in events]
         if events:
             self.kv_events.publish(events)
+
+    def _with_lora_id(self, event: CacheEvent) -> CacheEvent:
+        if not isinstance(event, BlocksStored) or event.lora_name is None:
+            return event
+        return replace(event, lora_id=self.loras.adapter_id(event.lora_name))
 
     @property
     def num_dropped_kv_events(self) -> int:
@@ -240,8 +259,33 @@ class EngineCore:
         return replace(sampling.row, banned_token_ids=banned)
 
     def _forget(self, request_id: str) -> None:
-        del self._sampling[request_id]
+        lora = self._sampling.pop(request_id).lora
         self._prompt_scoring.discard(request_id)
+        if lora is not None and self.loras.release(lora):
+            self._forget_cached_blocks(lora)
+
+    # LoRA adapters
+
+    def add_lora(self, adapter: LoraAdapter) -> AdapterTag:
+        """Load an adapter read from its files (`ValueError` if the name is taken); requests may use it at once."""
+        self.runner.worker.lora_slots.check(adapter)
+        return self.loras.add(adapter)
+
+    def remove_lora(self, name: str) -> AdapterTag | None:
+        """Unload an adapter (None if it is not loaded): new requests cannot use it; running ones finish with it.
+        Its cached blocks are forgotten once none does, so the name loaded again never finds them."""
+        tag = self.loras.remove(name)
+        if tag is not None and tag not in {state.lora for state in self._sampling.values()}:
+            self._forget_cached_blocks(tag)
+        return tag
+
+    def _forget_cached_blocks(self, tag: AdapterTag) -> None:
+        key = ("lora", tag.name, tag.path)
+
+        def made_by_adapter(block: BlockKey) -> bool:
+            return key in (block.extra_keys or ())
+
+        self.scheduler.allocator.forget_cached(made_by_adapter)
 
     def _rotates_long(self, request: Request) -> bool:
         """LongRoPE: a sequence longer than the original context rotates all its tokens with the long set."""

@@ -74,7 +74,8 @@ class DecodeGraphs:
         graphs = {}
         for size in sorted(sizes, reverse=True):
             ones, long_rope = [1] * size, buffers.long_rope is not None
-            inputs = buffers.prepare(StepPlan.in_padding_block(ones, ones, buffers.block_tables.padding_row, long_rope))
+            padding = StepPlan.in_padding_block(ones, ones, buffers.block_tables.padding_row, long_rope)
+            inputs = buffers.prepare(replace(padding, graph_size=size))
             # Kernels that size their launch by the longest context see the longest possible one.
             metadata = replace(inputs.metadata, seq_lens_cpu=[max_model_len] * size)
             inputs = replace(inputs, metadata=metadata)

@@ -56,7 +56,7 @@ class InputProcessor:
         params = [self._resolved_params(len(token_ids), request.params) for token_ids in prompts]
         if request.params.structured_output is not None:
             self.compile_grammar(request.params.structured_output)
-        return ProcessedRequest(prompts, params, request.n, request.cache_salt)
+        return ProcessedRequest(prompts, params, request.n, request.cache_salt, request.lora)
 
     def compile_grammar(self, spec: GrammarSpec) -> None:
         """Build (or find cached) a grammar; `InvalidRequestError` naming the field it came from if it does not."""

@@ -146,9 +146,9 @@ class KVEventPublisher:
                 "parent_block_hash": parent,
                 "token_ids": list(event.token_ids),
                 "block_size": self.config.block_size,
-                "lora_id": None,
+                "lora_id": event.lora_id,
                 "medium": medium,
-                "lora_name": None,
+                "lora_name": event.lora_name,
             }
             if self.config.format == "map":
                 fields["extra_keys"] = [_published_extra_keys(keys) for keys in event.extra_keys]

@@ -14,6 +14,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.default_model import DEFAULT_MODEL_NOTICE, default_model_dir
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.input_processor import NO_LIMITS, InputProcessor, ModelLimits, RequestLimits
+from kvserve.engine.lora.peft_adapter import LoraAdapter, LoraAdapterError, read_peft_adapter
 from kvserve.engine.model_loader import check_checkpoint_dir, load_decoder_config
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
@@ -23,7 +24,7 @@ from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import StepResult
 from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.engine.tokenizer import eos_token_ids, load_tokenizer
-from kvserve.kvcache import KVUsage
+from kvserve.kvcache import AdapterTag, KVUsage
 from kvserve.scheduler import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -52,19 +53,50 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, model_limits, grammars, limits, chat_template)
         self.outputs = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        for name, path in config.lora_modules:
+            with progress.phase(f"loading LoRA adapter {name}"):
+                self.load_lora(name, path)
         progress.finish()
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, cache_salt: str | None = None
-    ) -> str:
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> str:  # fmt: skip
         """Check and queue one request; returns its id. Raises `InvalidRequestError` for bad input. A request with
-        a `cache_salt` shares cached prefix blocks only with requests of the same salt."""
+        a `cache_salt` shares cached prefix blocks only with requests of the same salt; `lora_name`: the loaded
+        LoRA adapter to run under."""
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.outputs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        processed = self.inputs.process(GenerationRequest([prompt], params, cache_salt=cache_salt))
-        self.submit(CoreRequest(request_id, processed.prompt_token_ids[0], processed.params[0], cache_salt))
+        lora = self.lora_tag(lora_name)
+        processed = self.inputs.process(GenerationRequest([prompt], params, cache_salt=cache_salt, lora=lora))
+        self.submit(CoreRequest(request_id, processed.prompt_token_ids[0], processed.params[0], cache_salt, lora))
         return request_id
+
+    # LoRA adapters
+
+    def load_lora(self, name: str, path: str) -> AdapterTag:
+        """Read a PEFT adapter and load it under `name` (`LoraAdapterError` naming what is wrong with it)."""
+        return self.core.add_lora(self.read_lora(name, path))
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """An adapter's files, read and checked against this engine's settings (on any thread)."""
+        if self.core.loras is None:
+            raise LoraAdapterError("this engine does not serve LoRA adapters (start it with enable_lora)")
+        return read_peft_adapter(name, path, self.config.max_lora_rank)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload an adapter (False if it is not loaded); requests running with it finish with it."""
+        return self.core.loras is not None and self.core.remove_lora(name) is not None
+
+    def lora_tag(self, name: str | None) -> AdapterTag | None:
+        """The loaded adapter called `name` (None: the base model); `InvalidRequestError` if there is none."""
+        if name is None:
+            return None
+        tag = self.core.loras.tag(name) if self.core.loras is not None else None
+        if tag is None:
+            raise InvalidRequestError("model", f"no LoRA adapter {name!r} is loaded")
+        return tag
 
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"

@@ -15,11 +15,15 @@ class ModelRunner:
         self.group = group
         self.planner = StepPlanner(max_num_seqs, long_rope=worker.inputs.long_rope is not None)
 
-    def execute(self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None) -> torch.Tensor:
+    def execute(
+        self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, lora_slots: list[int] | None = None
+    ) -> torch.Tensor:
         """Logits [num_sampling_requests + len(extra_logit_rows), vocab_size] (fp32): first those of the scheduled
-        requests that sample, in order, then those of `extra_logit_rows` (indices into the step's tokens)."""
+        requests that sample, in order, then those of `extra_logit_rows` (indices into the step's tokens).
+        `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
         graphs = self.worker.decode_graphs
-        plan = self.planner.plan(output, extra_logit_rows, graphs.size_for(output) if graphs is not None else 0)
+        graph_size = graphs.size_for(output) if graphs is not None else 0
+        plan = self.planner.plan(output, extra_logit_rows, graph_size, lora_slots)
         if self.group is not None:
             plan.send(self.group)
         return self.worker.execute(plan)

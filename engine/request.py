@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.kvcache import AdapterTag
 
 
 @dataclass(frozen=True)
@@ -29,22 +30,25 @@ Prompt = str | list[int] | ChatPrompt
 @dataclass(frozen=True)
 class GenerationRequest:
     """`n` samples of each prompt. `params.max_tokens` None means the rest of each prompt's context window.
-    `cache_salt`: cached prefix blocks are shared only with requests of the same salt."""
+    `cache_salt`: cached prefix blocks are shared only with requests of the same salt. `lora`: the LoRA adapter
+    to run under (None: the base model)."""
 
     prompts: list[Prompt]
     params: SamplingParams
     n: int = 1
     cache_salt: str | None = None
+    lora: AdapterTag | None = None
 
 
 @dataclass(frozen=True)
 class CoreRequest:
-    """One sequence to generate, as the engine core schedules it."""
+    """One sequence to generate, as the engine core schedules it; `lora`: the adapter it runs under."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    lora: AdapterTag | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class ProcessedRequest:
     params: list[SamplingParams]  # one per prompt
     n: int
     cache_salt: str | None = None
+    lora: AdapterTag | None = None
     num_choices: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +72,7 @@ class ProcessedRequest:
             for sample in range(self.n):
                 seeded = params if params.seed is None or not sample else replace(params, seed=params.seed + sample)
                 index = prompt_index * self.n + sample
-                yield CoreRequest(f"{request_id}-{index}", token_ids, seeded, self.cache_salt)
+                yield CoreRequest(f"{request_id}-{index}", token_ids, seeded, self.cache_salt, self.lora)
 
     def prompt_of(self, choice_index: int) -> list[int]:
         return self.prompt_token_ids[choice_index // self.n]

@@ -17,6 +17,7 @@ import torch
 
 from kvserve.engine.step_plan import StepPlan
 from kvserve.kernels import AttentionMetadata
+from kvserve.kernels.lora import LoraBatch
 
 
 def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,12 +80,15 @@ class InputBuffers:
     def __init__(
         self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int, block_size: int, padding_block: int,
         device: torch.device, long_rope: tuple[int, int] | None = None, max_num_logit_rows: int | None = None,
+        lora: LoraBatch | None = None,
     ) -> None:  # fmt: skip
         """`long_rope` (LongRoPE models): (original context, offset of the long rows in the rotary tables); then
         `positions` are rows of those tables, the long ones for the tokens of sequences longer than the original
         context (prompt and output so far, as HF decides it). `max_num_logit_rows`: the most rows a step returns
-        logits for (sampling requests and prompt tokens being scored); by default every token."""
+        logits for (sampling requests and prompt tokens being scored); by default every token. `lora`: the batch
+        the model's adapter layers read, when the engine serves adapters: each token's slot, from the plan's."""
         self.block_size = block_size
+        self.lora = lora
         self.long_rope = long_rope
         self.device = device
         self.block_tables = BlockTables(max_num_seqs, max_blocks_per_seq, padding_block, device)
@@ -130,6 +134,8 @@ class InputBuffers:
         for host, device_buffer, count in copies:
             _to_device(host[:count], device_buffer[:count])
 
+        if self.lora is not None:
+            self._set_lora_slots(plan)
         if self.device.type == "cpu":
             self._derive_positions_and_slots_on_host(plan)
         else:
@@ -145,6 +151,15 @@ class InputBuffers:
         return StepInputs(
             self.input_ids[:num_tokens], self.positions[:num_tokens], metadata, self.logit_rows[:num_logit_rows]
         )
+
+    def _set_lora_slots(self, plan: StepPlan) -> None:
+        """Each token's adapter slot (a plan without slots: the warm-up's, all base model); a graph's step launches
+        the LoRA kernels with the tile count its graph was captured with."""
+        if plan.lora_slots is None:
+            token_slots = np.full(plan.num_tokens, -1, dtype=np.int64)
+        else:
+            token_slots = np.repeat(plan.lora_slots, plan.query_lens)
+        self.lora.set(token_slots, self.lora.tiles_for(plan.num_tokens) if plan.graph_size else None)
 
     def _derive_positions_and_slots(self, num_tokens: int, num_seqs: int) -> None:
         """On the device: the step's block tables by batch order, then each token's position and cache slot."""

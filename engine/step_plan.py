@@ -1,11 +1,11 @@
 """A step's plan: everything a rank needs to run one forward, as plain host arrays, built from the scheduler's
 output on rank 0 (`StepPlanner`) and run the same way by every rank (`Worker.execute`).
 
-It holds the packed token ids, each sequence's query and context lengths and its block-table row, the rows
-whose logits the step computes, and the block-table entries written since the last step (so each rank keeps
-its own copy of the block tables without ever receiving them whole). With tensor parallelism rank 0 broadcasts
-it to the others (`send` / `receive`: one fixed-size header, then one int64 payload), O(tokens + sequences +
-new blocks), never the scheduler's state.
+It holds the packed token ids, each sequence's query and context lengths, its block-table row and (when the engine
+serves LoRA adapters) its adapter slot, the rows whose logits the step computes, and the block-table entries written
+since the last step (so each rank keeps its own copy of the block tables without ever receiving them whole). With
+tensor parallelism rank 0 broadcasts it to the others (`send` / `receive`: one fixed-size header, then one int64
+payload), O(tokens + sequences + new blocks), never the scheduler's state.
 """
 
 from dataclasses import dataclass
@@ -16,7 +16,8 @@ import torch
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.scheduler import Request, SchedulerOutput
 
-_HEADER_SIZE = 7  # running, tokens, sequences, logit rows, table entries, has sequence lengths, graph size
+# running, tokens, sequences, logit rows, table entries, has sequence lengths, graph size, has adapter slots
+_HEADER_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class StepPlan:
     table_entries: np.ndarray  # [3, num_entries] int64: (row, column, block id) written since the last step
     sequence_lens: np.ndarray | None  # [num_seqs] int64: LongRoPE models only, each sequence's whole length
     graph_size: int = 0  # a padded pure-decode batch replays the graph of this size; 0: run eagerly
+    lora_slots: np.ndarray | None = None  # [num_seqs] int64: each sequence's adapter slot, -1 for the base model
 
     @property
     def num_tokens(self) -> int:
@@ -57,35 +59,37 @@ class StepPlan:
     def nbytes(self) -> int:
         """What `send` broadcasts."""
         parts = (self.input_ids, self.query_lens, self.seq_lens, self.rows, self.logit_rows, self.table_entries)
-        num_sequence_lens = 0 if self.sequence_lens is None else len(self.sequence_lens)
-        return 8 * (_HEADER_SIZE + sum(part.size for part in parts) + num_sequence_lens)
+        optional = sum(len(part) for part in (self.sequence_lens, self.lora_slots) if part is not None)
+        return 8 * (_HEADER_SIZE + sum(part.size for part in parts) + optional)
 
     def send(self, group: TensorParallelGroup) -> None:
         """Rank 0: broadcast this plan to the other ranks."""
         header = [1, self.num_tokens, self.num_seqs, len(self.logit_rows), self.table_entries.shape[1],
-                  int(self.sequence_lens is not None), self.graph_size]  # fmt: skip
+                  int(self.sequence_lens is not None), self.graph_size, int(self.lora_slots is not None)]  # fmt: skip
         group.broadcast_from_first(torch.tensor(header, dtype=torch.int64), announces_step=True)
         parts = [self.input_ids, self.query_lens, self.seq_lens, self.rows, self.logit_rows,
                  self.table_entries.reshape(-1)]  # fmt: skip
-        if self.sequence_lens is not None:
-            parts.append(self.sequence_lens)
+        parts += [part for part in (self.sequence_lens, self.lora_slots) if part is not None]
         group.broadcast_from_first(torch.from_numpy(np.concatenate(parts)))
 
     @classmethod
     def receive(cls, group: TensorParallelGroup) -> "StepPlan | None":
         """The other ranks: the next plan, or None when rank 0 says stop (`send_stop`)."""
         header = group.broadcast_from_first(torch.zeros(_HEADER_SIZE, dtype=torch.int64), announces_step=True)
-        running, num_tokens, num_seqs, num_logit_rows, num_entries, has_sequence_lens, graph_size = header.tolist()
+        running, num_tokens, num_seqs, num_logit_rows, num_entries, has_sequence_lens, graph_size, has_lora_slots = (
+            header.tolist()
+        )
         if not running:
             return None
         sizes = [num_tokens, num_seqs, num_seqs, num_seqs, num_logit_rows, 3 * num_entries]
-        sizes += [num_seqs] if has_sequence_lens else []
+        sizes += [num_seqs] * (has_sequence_lens + has_lora_slots)
         payload = group.broadcast_from_first(torch.empty(sum(sizes), dtype=torch.int64)).numpy()
         parts = np.split(payload, np.cumsum(sizes)[:-1])
+        optional = iter(parts[6:])
         return cls(
             input_ids=parts[0], query_lens=parts[1], seq_lens=parts[2], rows=parts[3], logit_rows=parts[4],
-            table_entries=parts[5].reshape(3, num_entries), sequence_lens=parts[6] if has_sequence_lens else None,
-            graph_size=graph_size,
+            table_entries=parts[5].reshape(3, num_entries), sequence_lens=next(optional) if has_sequence_lens else None,
+            graph_size=graph_size, lora_slots=next(optional) if has_lora_slots else None,
         )  # fmt: skip
 
 
@@ -115,9 +119,13 @@ class StepPlanner:
         if row is not None:
             self._free_rows.append(row)
 
-    def plan(self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, graph_size: int = 0) -> StepPlan:
+    def plan(
+        self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, graph_size: int = 0,
+        lora_slots: list[int] | None = None,
+    ) -> StepPlan:  # fmt: skip
         """The step's plan: the scheduled requests' tokens, then (to `graph_size`) padding sequences; the logits
-        of each request that samples, in schedule order, then of `extra_logit_rows` (rows of the step's tokens)."""
+        of each request that samples, in schedule order, then of `extra_logit_rows` (rows of the step's tokens).
+        `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
         for request_id in output.left_running:
             self.release(request_id)
         token_ids, query_lens, seq_lens, rows, sample_rows = [], [], [], [], []
@@ -152,6 +160,7 @@ class StepPlanner:
             table_entries=np.array([entry_rows, entry_columns, entry_blocks], dtype=np.int64).reshape(3, -1),
             sequence_lens=sequence_lens,
             graph_size=graph_size,
+            lora_slots=None if lora_slots is None else np.array(lora_slots + [-1] * num_padding, dtype=np.int64),
         )
 
     def _row(self, request: Request, entry_rows: list, entry_columns: list, entry_blocks: list) -> int:

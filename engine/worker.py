@@ -16,6 +16,8 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.decode_graphs import CudaGraph, DecodeGraphs, EagerReplay, capture_sizes
 from kvserve.engine.kv_sizing import StepLimits, build_kv_cache, log_kv_cache, paged_kv_layers, step_limits
+from kvserve.engine.lora.model_slots import ModelLoraSlots
+from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.model_loader import checkpoint_dtype, load_model, prepare_weights
 from kvserve.engine.models import DecoderForCausalLM
 from kvserve.engine.parallel.group import TensorParallelGroup
@@ -23,6 +25,7 @@ from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_inputs import InputBuffers, StepInputs
 from kvserve.engine.step_plan import StepPlan
 from kvserve.kernels import AttentionShape, KernelBackend, select_backend
+from kvserve.kernels.lora import LoraBatch
 from kvserve.kvcache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -31,15 +34,18 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(
         self, model: DecoderForCausalLM, kv_cache: KVCache, backend: KernelBackend, limits: StepLimits,
-        max_num_seqs: int, device: torch.device,
+        max_num_seqs: int, device: torch.device, lora_slots: ModelLoraSlots | None = None,
     ) -> None:  # fmt: skip
+        """`lora_slots`: the model's adapter slots, when the engine serves adapters."""
         self.model, self.kv_cache, self.backend, self.limits, self.device = model, kv_cache, backend, limits, device
         self.layer_caches = paged_kv_layers(kv_cache)
+        self.lora_slots = lora_slots
         block_size = kv_cache.spec.block_size
         # A padded decode batch has up to max_num_seqs tokens, maybe more than the token budget.
         self.inputs = InputBuffers(
-            max_num_seqs, max(limits.max_num_batched_tokens, max_num_seqs), -(-limits.max_model_len // block_size),
+            max_num_seqs, max_num_tokens(limits, max_num_seqs), -(-limits.max_model_len // block_size),
             block_size, kv_cache.padding_block, device, long_rope=model.model.rotary.long_rope,
+            lora=lora_slots.batch if lora_slots is not None else None,
         )  # fmt: skip
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -59,10 +65,15 @@ class Worker:
             backend = select_backend(config.attention_backend, device, shape)
             prepare_weights(model, backend)
         limits = step_limits(config, model.config)
+        lora_slots = None
+        if config.enable_lora:  # before the KV cache is sized, so the slots' memory is counted
+            batch = LoraBatch(max_num_tokens(limits, config.max_num_seqs), config.max_loras, device)
+            dtype = next(model.parameters()).dtype
+            lora_slots = ModelLoraSlots(model, config.max_loras, config.max_lora_rank, batch, dtype, device)
         with progress.phase("sizing the KV cache"):
             kv_cache = build_kv_cache(config, model, device, limits, backend, group)
         log_kv_cache(model, kv_cache, device, model_dir)
-        worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device)
+        worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device, lora_slots)
         if device.type == "cuda":
             with progress.phase("compiling and warming up the kernels"):
                 worker.warm_up()
@@ -73,6 +84,11 @@ class Worker:
             with progress.phase("capturing CUDA graphs"):
                 worker.capture_decode_graphs(capture_sizes(config.max_num_seqs))
         return worker
+
+    @torch.inference_mode()
+    def write_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter into a slot of the model's adapter layers (rank 0's engine core decides which)."""
+        self.lora_slots.write(slot, adapter)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -104,3 +120,8 @@ class Worker:
             if self.device.type == "cuda":  # the host buffers are rewritten only once the device has read them
                 torch.cuda.synchronize(self.device)
         return time.monotonic() - start_s
+
+
+def max_num_tokens(limits: StepLimits, max_num_seqs: int) -> int:
+    """The most tokens a step runs: a padded decode batch has up to max_num_seqs, maybe more than the token budget."""
+    return max(limits.max_num_batched_tokens, max_num_seqs)

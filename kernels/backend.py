@@ -15,11 +15,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import torch_paged_attention
+from kvserve.kernels import torch_lora, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.block_quant import QuantizedWeight, chunked_quantized_linear
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear
+from kvserve.kernels.lora import LoraBatch, LoraStacks
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kernels.torch_layer_ops import TorchLayerOps
 
@@ -54,6 +55,11 @@ class KernelBackend(Protocol):
     ) -> torch.Tensor:
         """`F.linear` of x [rows, in] with a group-quantized weight (kernels/group_quant.py; its input quantized
         first where its scheme says), computed in float32, in x's dtype."""
+        ...
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, stacks: LoraStacks, batch: LoraBatch) -> torch.Tensor:
+        """`out` [tokens, out] plus, for each token `batch` gives an adapter slot, (x @ A^T) @ B^T of that slot's
+        adapter in `stacks` (kernels/lora.py), in place; returns `out`."""
         ...
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None: ...
@@ -128,6 +134,9 @@ class TorchGemm:
 
     def group_quantized_linear(self, x, weight, bias) -> torch.Tensor:
         return chunked_group_quantized_linear(x, weight, bias)
+
+    def add_lora(self, out, x, stacks, batch) -> torch.Tensor:
+        return torch_lora.add_lora(out, x, stacks, batch)
 
     def prepare_experts(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
         return None

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import onednn, torch_moe, torch_paged_attention
+from kvserve.kernels import onednn, torch_lora, torch_moe, torch_paged_attention
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.group_quant import GroupQuantizedWeight, chunked_group_quantized_linear, quantize_activations
 from kvserve.kernels.paged_kv import PagedKV
@@ -56,6 +56,9 @@ class CpuBackend:
         if bias is not None:
             out.add_(bias)
         return out.to(x.dtype)
+
+    def add_lora(self, out, x, stacks, batch) -> torch.Tensor:
+        return torch_lora.add_lora(out, x, stacks, batch)
 
     def prepare_experts(self, gate_up_weight, down_weight) -> torch_moe.OneDnnExperts | None:
         return torch_moe.OneDnnExperts(gate_up_weight, down_weight) if onednn.can_pack(gate_up_weight) else None

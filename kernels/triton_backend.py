@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvserve.kernels import triton_group_quant, triton_layer_ops, triton_moe
+from kvserve.kernels import triton_group_quant, triton_layer_ops, triton_lora, triton_moe
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.backend import AttentionShape, TorchGemm
 from kvserve.kernels.fp8_scaled_mm import fp8_scaled_linear, scaled_mm_takes
@@ -59,6 +59,9 @@ class TritonBackend(TorchGemm):
         if triton_group_quant.triton_takes(weight):
             return triton_group_quant.group_quantized_linear(x, weight, bias, self.target_programs)
         return chunked_group_quantized_linear(x, weight, bias)
+
+    def add_lora(self, out, x, stacks, batch) -> torch.Tensor:
+        return triton_lora.add_lora(out, x, stacks, batch)
 
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         store_kv(key, value, cache, slot_mapping)

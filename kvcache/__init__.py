@@ -4,11 +4,12 @@ map. Block tables live with the step inputs
 (engine/step_inputs.py); the cache's size is decided in engine/kv_sizing.py."""
 
 from kvserve.kvcache.block_allocator import BlockAllocator, DoubleFreeError, KVCacheError, OutOfBlocksError
-from kvserve.kvcache.block_hash import BlockHasher, BlockKey, cache_salt_keys
+from kvserve.kvcache.block_hash import AdapterTag, BlockHasher, BlockKey, block_extra_keys, cache_salt_keys
 from kvserve.kvcache.cache_tensors import KVCache, KVCacheSpec
 from kvserve.kvcache.usage import KVUsage
 
 __all__ = [
+    "AdapterTag",
     "BlockAllocator",
     "BlockHasher",
     "BlockKey",
@@ -18,5 +19,6 @@ __all__ = [
     "KVCacheSpec",
     "KVUsage",
     "OutOfBlocksError",
+    "block_extra_keys",
     "cache_salt_keys",
 ]

@@ -13,6 +13,7 @@ events.py), for the KV-cache events a router subscribes to; `take_events` hands 
 """
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 
 from kvserve.kvcache.block_hash import BlockKey
 from kvserve.kvcache.events import AllBlocksCleared, BlocksRemoved, BlocksStored, CacheEvent, merge_runs
@@ -122,6 +123,17 @@ class BlockAllocator:
         del self._block_by_digest[key.digest]
         if self._events is not None:
             self._events.append(BlocksRemoved((key.digest,)))
+
+    def forget_cached(self, matches: Callable[[BlockKey], bool]) -> int:
+        """Forget the contents of every cached block whose key `matches` (an unloaded adapter's): as `clear_cache`
+        does, for those blocks only; how many there were."""
+        forgotten = [block_id for block_id, key in self._key_by_block.items() if matches(key)]
+        for block_id in forgotten:
+            self._forget(block_id)
+            if block_id in self._evictable:
+                del self._evictable[block_id]
+                self._free_block_ids.append(block_id)
+        return len(forgotten)
 
     def clear_cache(self) -> None:
         """Forget every cached block's contents: blocks nobody holds become free, held ones stay with their

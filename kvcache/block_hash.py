@@ -2,9 +2,10 @@
 
 A full block's hash is SHA-256 over the canonical CBOR encoding of `[parent hash, token ids, extra keys]`; the
 first block's parent is SHA-256 over the CBOR of a seed string (vLLM's `NONE_HASH`: `$PYTHONHASHSEED` when set,
-else "vllm-none-hash"). Extra keys tag what besides the tokens decides a block's K and V: a cache salt on the first
-block, as `("cache_salt", salt)`. With the same scheme and seed, a router that only sees tokens (llm-d's KV-cache
-indexer, a router fed by KV-cache events) predicts which blocks a replica holds.
+else "vllm-none-hash"). Extra keys tag what besides the tokens decides a block's K and V: the LoRA adapter on every
+block, as `("lora", name, path)`, then a cache salt on the first block, as `("cache_salt", salt)`. With the same
+scheme and seed, a router that only sees tokens (llm-d's KV-cache indexer, a router fed by KV-cache events)
+predicts which blocks a replica holds.
 
 The encoder covers only what a block key holds (unsigned ints, text, bytes, None, arrays), in CBOR's canonical
 (shortest) form; RFC 8949 section 4.2.1.
@@ -130,3 +131,21 @@ def cache_salt_keys(cache_salt: str | None) -> ExtraKeys:
     """The first block's extra keys for a request with `cache_salt` (vLLM's tagging): requests with different
     salts never share a block, so tenants can keep their caches apart."""
     return (("cache_salt", cache_salt),) if cache_salt else None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterTag:
+    """The LoRA adapter a request runs under. `adapter_id` tells loads apart (a name unloaded and loaded again gets a
+    new one); the name and path go into its blocks' keys, as vLLM puts them."""
+
+    adapter_id: int
+    name: str
+    path: str
+
+
+def block_extra_keys(first_block: bool, cache_salt: str | None, lora: AdapterTag | None) -> ExtraKeys:
+    """A block's extra keys, in vLLM's order: the LoRA adapter on every block, so no adapter reuses another's (or the
+    base model's) K and V; the cache salt on the first."""
+    keys = (("lora", lora.name, lora.path),) if lora is not None else ()
+    salt = cache_salt_keys(cache_salt) if first_block else None
+    return (keys + salt if salt else keys) or None

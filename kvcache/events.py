@@ -19,6 +19,12 @@ class BlocksStored:
     parent_block_hash: bytes | None
     token_ids: tuple[int, ...]
     extra_keys: tuple[ExtraKeys, ...]  # one per block
+    lora_id: int | None = None  # the LoRA adapter's id (the engine sets it; the allocator knows only its key)
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter the blocks were computed under, from their keys (one chain: one adapter)."""
+        return next((key[1] for key in self.extra_keys[0] or () if key[0] == "lora"), None)
 
 
 @dataclass(frozen=True)

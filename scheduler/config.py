@@ -15,7 +15,9 @@ class SchedulerConfig:
     steps, alongside the decodes; without it, a prompt waits until it fits whole. With
     `enable_prefix_caching`, an admitted request reuses the cached blocks of its longest cached
     prefix and computes only the rest. `block_hash_seed` seeds the chain of block hashes (vLLM's
-    `NONE_HASH` seed): replicas with the same seed give the same prefix the same hashes.
+    `NONE_HASH` seed): replicas with the same seed give the same prefix the same hashes. `max_loras`: the most
+    LoRA adapters the running requests may use at once (None: no limit); a waiting request of another adapter
+    waits, and later requests that fit are admitted past it.
     """
 
     max_num_seqs: int = 64
@@ -25,6 +27,7 @@ class SchedulerConfig:
     max_prefill_chunk_tokens: int | None = None
     enable_prefix_caching: bool = False
     block_hash_seed: str = DEFAULT_HASH_SEED
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

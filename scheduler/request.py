@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from kvserve.kvcache import BlockKey
+from kvserve.kvcache import AdapterTag, BlockKey
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +40,7 @@ class Request:
     reuses_cached_prefix: bool = True  # False: computes its whole prompt
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt
     caches_blocks: bool = True  # False: its blocks are not offered to the prefix cache
+    lora: AdapterTag | None = None  # the LoRA adapter it runs under; None: the base model
 
     @property
     def num_tokens(self) -> int:

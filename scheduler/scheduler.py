@@ -9,7 +9,7 @@ admitted request is preempted (its blocks freed, put back at the front of the qu
 
 from collections import deque
 
-from kvserve.kvcache import BlockAllocator, BlockHasher, KVUsage, cache_salt_keys
+from kvserve.kvcache import BlockAllocator, BlockHasher, KVUsage, block_extra_keys
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -177,8 +177,20 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> None:
+        passed_over: list[Request] = []  # waiting for a free adapter slot, kept in order at the front
+        try:
+            self._admit_in_order(token_budget, scheduled, passed_over)
+        finally:
+            self.waiting.extendleft(reversed(passed_over))
+
+    def _admit_in_order(self, token_budget: int, scheduled: list[ScheduledRequest], passed_over: list[Request]) -> None:
+        max_loras = self.config.max_loras
+        adapters = {request.lora for request in self.running if request.lora is not None} if max_loras else set()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if max_loras and request.lora is not None and request.lora not in adapters and len(adapters) >= max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             reuses_cache = self.config.enable_prefix_caching and request.reuses_cached_prefix
             cached_block_ids = self._cached_prefix(request) if reuses_cache else []
             num_cached_tokens = len(cached_block_ids) * self.block_size
@@ -200,6 +212,8 @@ class Scheduler:
             request.num_registered_blocks = len(cached_block_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora is not None:
+                adapters.add(request.lora)
             scheduled.append(ScheduledRequest.of(request, num_new_tokens))
             token_budget -= num_new_tokens
             if reuses_cache:
@@ -225,10 +239,8 @@ class Scheduler:
         size, keys = self.block_size, request.block_keys
         for index in range(len(keys), num_blocks):
             tokens = tuple(request.token_ids(index * size, (index + 1) * size))
-            if index:
-                keys.append(self.hasher.key(keys[index - 1], tokens))
-            else:
-                keys.append(self.hasher.key(None, tokens, cache_salt_keys(request.cache_salt)))
+            extra_keys = block_extra_keys(not index, request.cache_salt, request.lora)
+            keys.append(self.hasher.key(keys[index - 1] if index else None, tokens, extra_keys))
 
     def _register_full_blocks(self, request: Request) -> None:
         num_full_blocks = request.num_computed_tokens // self.block_size

@@ -339,3 +339,30 @@ def test_a_server_publishes_its_cache_and_counts_drops_in_metrics(tiny_checkpoin
         assert subscriber.topics == {b"kv@a@tiny"}
         metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
     assert f'kvserve:kv_events_dropped_total{{model_name="{TINY_MODEL}"}} 0.0' in metrics
+
+
+def test_blocks_of_a_lora_adapter_carry_its_name_id_and_key(tiny_checkpoints, tmp_path):
+    """As vLLM: ("lora", name, path) in every block's key (before the first block's salt), published untagged, and
+    the adapter's name and id in the event."""
+    from kvserve.testing.lora_adapters import write_peft_adapter
+
+    model_dir = tiny_checkpoints["llama"]
+    adapter = write_peft_adapter(model_dir, tmp_path / "adapter", seed=0, r=4, target_modules=["q_proj"])
+    endpoint, replay = _endpoints(tmp_path)
+    subscriber = Subscriber(endpoint, replay)
+    settings = {"enable_lora": True, "lora_modules": (("tenant-lora", str(adapter)),)}
+    try:
+        with LLM(str(model_dir), kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay, **settings) as llm:
+            llm.engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=1), cache_salt="s",
+                                   lora_name="tenant-lora")  # fmt: skip
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            _settle(subscriber, llm.engine.core.scheduler.allocator, as_int=True)
+        (event,) = [e for batch in subscriber.batches() for e in batch.events if isinstance(e, BlockStored)]
+    finally:
+        subscriber.close()
+    assert (event.lora_name, event.lora_id) == ("tenant-lora", 1)
+    assert event.extra_keys == [["tenant-lora", "s"], ["tenant-lora"]]  # msgpack sends tuples as arrays
+    lora_key = ("lora", "tenant-lora", str(adapter))
+    first = _vllm_hash(NONE_HASH, range(5, 21), (lora_key, ("cache_salt", "s")))
+    assert event.block_hashes == [low_64_bits(first), low_64_bits(_vllm_hash(first, range(21, 37), (lora_key,)))]

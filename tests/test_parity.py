@@ -92,12 +92,15 @@ def test_triton_backend_matches_hf(tiny_model, hf_reference):
     assert_matches_hf(llm, hf_reference, "chunked_preempting")
 
 
-def assert_matches_hf(llm: LLM, hf_reference, path: str, logprob_tolerance: float = 1e-4) -> None:
-    """Every other request also scores its prompt (prompt logprobs), so both kinds share the batches."""
+def assert_matches_hf(
+    llm: LLM, hf_reference, path: str, logprob_tolerance: float = 1e-4, lora_names: list[str | None] | None = None
+) -> None:
+    """Every other request also scores its prompt (prompt logprobs), so both kinds share the batches. `lora_names`:
+    the LoRA adapter each prompt runs under (the reference's, prompt by prompt)."""
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     scoring = replace(params, prompt_logprobs=1)
     outputs = llm.generate([reference[0] for reference in hf_reference],
-                           [scoring if i % 2 else params for i in range(len(hf_reference))])  # fmt: skip
+                           [scoring if i % 2 else params for i in range(len(hf_reference))], lora_names)  # fmt: skip
 
     for i, ((prompt, tokens, logprobs, prompt_logprobs), output) in enumerate(zip(hf_reference, outputs, strict=True)):
         assert output.token_ids == tokens

@@ -568,3 +568,25 @@ class Simulation:
 @given(workload=workloads())
 def test_scheduler_keeps_its_invariants_and_finishes_every_request(workload):
     Simulation(workload).run()
+
+
+def test_requests_of_more_adapters_than_max_loras_wait_and_later_ones_pass_them():
+    """Two adapters at a time: a request of a third waits, in its place, while later requests of running adapters (or
+    the base model) are admitted; it runs once an adapter's requests are gone."""
+    from kvserve.kvcache import AdapterTag
+
+    scheduler = Scheduler(SchedulerConfig(max_loras=2), BlockAllocator(64), 16)
+    tags = {name: AdapterTag(index, name, f"/adapters/{name}") for index, name in enumerate("abc")}
+    lora_of = {"r0": "a", "r1": "b", "r2": "c", "r3": "a", "r4": None, "r5": "c"}
+    requests = {}
+    for request_id, name in lora_of.items():
+        requests[request_id] = Request(request_id, [1, 2, 3], lora=tags.get(name))
+        scheduler.add(requests[request_id])
+    first = step(scheduler)
+    assert [item.request.request_id for item in first.scheduled] == ["r0", "r1", "r3", "r4"]
+    assert [request.request_id for request in scheduler.waiting] == ["r2", "r5"]  # still in order
+    scheduler.finish(requests["r1"], FinishReason.STOP)
+    second = step(scheduler)
+    assert {item.request.request_id for item in second.scheduled} >= {"r2", "r5"}
+    adapters = {request.lora for request in scheduler.running if request.lora is not None}
+    assert adapters == {tags["a"], tags["c"]}

@@ -13,7 +13,7 @@ its rows (the parts of a packed projection may be quantized apart, in different 
 `quantized_linear` or `group_quantized_linear` computes it.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,22 +23,44 @@ from torch import nn
 from kvserve.kernels import KernelBackend
 from kvserve.kernels.block_quant import QuantizedWeight, dequantize
 from kvserve.kernels.group_quant import GroupQuantizedWeight, quantize_activations, token_largest
+from kvserve.kernels.lora import LoraBatch, LoraStacks
 
 if TYPE_CHECKING:
     from kvserve.engine.parallel.group import TensorParallelGroup
+
+
+@dataclass(frozen=True)
+class LayerLora:
+    """A linear layer's adapter slots, and the worker's batch that says which slot each token of a step uses (a
+    buffer rewritten every step, which a captured decode graph reads as it reads the other step inputs)."""
+
+    stacks: LoraStacks
+    batch: LoraBatch
 
 
 class Linear(nn.Linear):
     prepared: object | None = None  # the backend's own form of the weight (`prepare_weights`), if it keeps one
     quantized: tuple[QuantizedWeight, ...] | None = None  # the weight's row segments, when it is block-quantized
     grouped: GroupQuantizedWeight | None = None  # the weight, when it is group-quantized
+    lora: LayerLora | None = None  # its adapters, when the engine serves LoRA adapters
 
     def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        return self.add_lora(self.base_forward(x, backend), x, backend)
+
+    def base_forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        """The layer without its adapters."""
         if self.quantized is not None:
             return backend.quantized_linear(x, self.quantized, self.bias)
         if self.grouped is not None:
             return backend.group_quantized_linear(x, self.grouped, self.bias)
         return backend.linear(x, self.weight, self.bias, self.prepared)
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        """`out` plus the delta of each token's adapter, if the step has any."""
+        lora = self.lora
+        if lora is None or lora.batch.is_empty:
+            return out
+        return backend.add_lora(out, x, lora.stacks, lora.batch)
 
     def quantize(self, segments: tuple[QuantizedWeight, ...]) -> None:
         """Hold the weight as block-quantized row segments instead of a dense parameter (set before the model is
@@ -82,7 +104,8 @@ class RowParallelLinear(Linear):
         x_float = x.float()
         largest = self.group.all_reduce_max(token_largest(x_float))
         quantized = quantize_activations(x_float, self.grouped.activations, largest)
-        return backend.group_quantized_linear(quantized, replace(self.grouped, activations=None), self.bias).to(x.dtype)
+        out = backend.group_quantized_linear(quantized, replace(self.grouped, activations=None), self.bias)
+        return self.add_lora(out.to(x.dtype), x, backend)
 
 
 class VocabParallelEmbedding(nn.Embedding):
