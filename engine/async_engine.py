@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from kvserve.engine.engine_state import EngineState, StatsWindow
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
 from kvserve.engine.request import ChatPrompt, CoreRequest, GenerationRequest, ProcessedRequest
 from kvserve.engine.startup import StartupProgress
 from kvserve.engine.stats import StatsTracker, StepStats
 from kvserve.engine.step_result import StepResult
+from kvserve.kvcache import AdapterTag
 from kvserve.scheduler import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -162,9 +164,31 @@ class _TakeState:
     future: asyncio.Future
 
 
-def _resolve(future: asyncio.Future, state: EngineState) -> None:
-    if not future.done():  # the poller may have stopped waiting
-        future.set_result(state)
+@dataclass(frozen=True)
+class _LoadLora:
+    adapter: LoraAdapter  # read from its files off both threads
+    replace: bool  # unload an adapter of the same name first
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class _UnloadLora:
+    name: str
+
+
+def _resolve(future: asyncio.Future, result: object) -> None:
+    if future.done():  # the asker may have stopped waiting
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _answer(future: asyncio.Future, result: object) -> None:
+    """Resolve an event-loop future from the engine thread."""
+    with contextlib.suppress(RuntimeError):  # the asker's event loop closed (the server stopped)
+        future.get_loop().call_soon_threadsafe(_resolve, future, result)
 
 
 class AsyncLLMEngine:
@@ -203,7 +227,10 @@ class AsyncLLMEngine:
         self._stats = StatsTracker()  # engine thread only
         self._stats_window = StatsWindow()  # engine thread only
         self._state: EngineState  # the latest snapshot; replaced (never changed) by the engine thread
-        self._commands: queue.SimpleQueue[_Add | _Finish | _TakeState | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Finish | _TakeState | _LoadLora | _UnloadLora | None] = (
+            queue.SimpleQueue()
+        )
+        self._loras: dict[str, AdapterTag] = {}  # the loaded LoRA adapters, as the event loop sees them
         self._loop: asyncio.AbstractEventLoop | None = None  # the server's, set by the first request
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._lock = threading.Lock()
@@ -287,6 +314,44 @@ class AsyncLLMEngine:
                 self._commands.put(_Add(core_request, arrival_s))
             self._num_in_flight += len(core_requests)
         return GenerationStream(self, processed, [r.request_id for r in core_requests], streams)
+
+    # LoRA adapters (event loop). Requests name an adapter by what `lora_tag` says now; loads and unloads reach the
+    # engine thread through the command queue behind the requests queued before them, so a request never runs under
+    # an adapter unloaded before it was queued.
+
+    def lora_tag(self, name: str) -> AdapterTag | None:
+        """The loaded adapter called `name`, if there is one."""
+        return self._loras.get(name)
+
+    def loaded_loras(self) -> list[AdapterTag]:
+        return list(self._loras.values())
+
+    @property
+    def serves_loras(self) -> bool:
+        return self.engine.core.loras is not None
+
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterTag:
+        """Read an adapter's files (on a worker thread) and load it; `replace`: an adapter already loaded under the
+        name is unloaded first (its running requests finish with it). Raises `LoraAdapterError` for a bad adapter,
+        `ValueError` for a name already loaded."""
+        loop = asyncio.get_running_loop()
+        adapter = await loop.run_in_executor(None, self.engine.read_lora, name, path)
+        if not replace and name in self._loras:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        future = loop.create_future()
+        with self._lock:  # a stopped engine would never answer
+            if self._refusal is not None:
+                raise EngineUnavailableError(self._refusal)
+            self._commands.put(_LoadLora(adapter, replace, future))
+        self._loras[name] = tag = await future
+        return tag
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload an adapter (False if it is not loaded): new requests cannot name it from now on."""
+        if self._loras.pop(name, None) is None:
+            return False
+        self._commands.put(_UnloadLora(name))
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (their client is gone): their streams now, their blocks at the engine's next command."""
@@ -372,6 +437,8 @@ class AsyncLLMEngine:
         try:
             self.engine = make_engine(self.progress)
             self.inputs, self.outputs = self.engine.inputs, self.engine.outputs
+            loras = self.engine.core.loras
+            self._loras = {tag.name: tag for tag in loras.loaded()} if loras is not None else {}
             self._report_stats()  # the KV cache's size and empty queues, before any request
             self._state = self._take_state()
         except BaseException as error:  # re-raised by the constructor, or reported by `fatal_error`
@@ -417,13 +484,16 @@ class AsyncLLMEngine:
             self._last_progress_s = time.monotonic()
             return True
 
-    def _apply(self, command: _Add | _Finish | _TakeState) -> None:
+    def _apply(self, command: _Add | _Finish | _TakeState | _LoadLora | _UnloadLora) -> None:
         core = self.engine.core
         if isinstance(command, _TakeState):
             if self._state.taken_at_monotonic_s < command.asked_at_s:
                 self._state = self._take_state()
-            with contextlib.suppress(RuntimeError):  # the poller's event loop closed (the server stopped)
-                command.future.get_loop().call_soon_threadsafe(_resolve, command.future, self._state)
+            _answer(command.future, self._state)
+        elif isinstance(command, _LoadLora):
+            _answer(command.future, self._load_lora(command))
+        elif isinstance(command, _UnloadLora):
+            core.remove_lora(command.name)
         elif isinstance(command, _Finish):
             if core.finish(command.request_id, command.reason):
                 self._stats.finished(command.request_id, command.reason.value)
@@ -436,6 +506,15 @@ class AsyncLLMEngine:
                 logger.exception("request %s could not be queued", request_id)
                 self._stats.finished(request_id, "error")
                 self._post(self._on_failure, [request_id], error)
+
+    def _load_lora(self, command: _LoadLora) -> AdapterTag | Exception:
+        core = self.engine.core
+        try:
+            if command.replace:
+                core.remove_lora(command.adapter.name)
+            return core.add_lora(command.adapter)
+        except Exception as error:  # the adapter's fault (it does not fit the model): the asker's error
+            return error
 
     def _step_failed(self, error: Exception) -> bool:
         """Fail the requests in flight; True if that was one failed step too many and the loop must end."""
@@ -469,6 +548,8 @@ class AsyncLLMEngine:
                 break
             if isinstance(command, _Add):
                 queued.append(command.request.request_id)
+            elif isinstance(command, _LoadLora):
+                _answer(command.future, error)
         self._post(self._on_failure, queued, error)
 
     def _fail_all(self, error: Exception) -> None:

@@ -157,6 +157,7 @@ class RunningRequestState:
     block_ranges: tuple[tuple[int, int], ...]  # its block table as runs of consecutive block ids, [start, end)
     num_preemptions: int
     num_unfilled_slots: int  # slots of its blocks that hold no computed token: the tail of its last block
+    lora_name: str | None = None  # the LoRA adapter its blocks were computed under
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,7 @@ def _running_request_state(request: Request, block_size: int) -> RunningRequestS
         block_ranges=block_ranges(request.block_ids),
         num_preemptions=request.num_preemptions,
         num_unfilled_slots=len(request.block_ids) * block_size - request.num_computed_tokens,
+        lora_name=request.lora.name if request.lora is not None else None,
     )
 
 

@@ -3,10 +3,11 @@
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvserve.scheduler.scheduler_output import LoraRequestCounts, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 __all__ = [
     "FinishReason",
+    "LoraRequestCounts",
     "Request",
     "RequestStatus",
     "ScheduledRequest",

@@ -7,12 +7,12 @@ first, then unfinished prefills, each oldest first; when one cannot grow, the mo
 admitted request is preempted (its blocks freed, put back at the front of the queue).
 """
 
-from collections import deque
+from collections import Counter, deque
 
 from kvserve.kvcache import BlockAllocator, BlockHasher, KVUsage, block_extra_keys
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
-from kvserve.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvserve.scheduler.scheduler_output import LoraRequestCounts, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 
 class Scheduler:
@@ -141,7 +141,14 @@ class Scheduler:
             kv_usage=self.kv_usage(),
             prefix_cache_queried_tokens=self.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
+            lora_requests=self._lora_requests() if self.config.max_loras else None,
         )
+
+    def _lora_requests(self) -> LoraRequestCounts:
+        def per_adapter(requests) -> dict[str, int]:
+            return dict(sorted(Counter(r.lora.name for r in requests if r.lora is not None).items()))
+
+        return LoraRequestCounts(self.config.max_loras, per_adapter(self.running), per_adapter(self.waiting))
 
     def kv_usage(self) -> KVUsage:
         return KVUsage(

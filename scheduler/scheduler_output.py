@@ -45,6 +45,15 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class LoraRequestCounts:
+    """Requests per LoRA adapter name, running and waiting; `max_loras`: adapters a step may run at once."""
+
+    max_loras: int
+    running: dict[str, int]
+    waiting: dict[str, int]
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     """The queues and the KV cache as they are between two steps."""
 
@@ -54,3 +63,4 @@ class SchedulerStats:
     kv_usage: KVUsage
     prefix_cache_queried_tokens: int  # totals since start
     prefix_cache_hit_tokens: int
+    lora_requests: LoraRequestCounts | None = None  # when the engine serves LoRA adapters

@@ -10,11 +10,13 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.kvcache import AdapterTag
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.console import ConsoleFiles
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import HANDLED_ERRORS, APIError, handle_exception
+from kvserve.server.lora_routes import add_lora_routes
 from kvserve.server.metrics import CountHTTPRequests
 from kvserve.server.openapi_docs import TEXT, document_streams, error_responses, generation_responses
 from kvserve.server.protocol import (
@@ -121,15 +123,20 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def get_version():
         return {"version": kvserve_version()}
 
+    def model_card(lora: AdapterTag | None) -> ModelCard:
+        card = ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.engine.max_model_len)
+        if lora is None:
+            return card
+        return card.model_copy(update={"id": lora.name, "root": lora.path, "parent": ctx.model_name})
+
     @app.get("/v1/models", dependencies=authorized, response_model=ModelList, responses=error_responses(401))
     async def list_models():
-        return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.engine.max_model_len)])
+        return ModelList(data=[model_card(lora) for lora in [None, *ctx.engine.loaded_loras()]])
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized, response_model=ModelCard,
              responses=error_responses(401, 404))  # fmt: skip
     async def get_model(model_id: str):
-        ctx.check_model(model_id)
-        return ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.engine.max_model_len)
+        return model_card(ctx.lora_of(model_id))
 
     @app.post("/v1/completions", dependencies=authorized, responses=generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
@@ -168,6 +175,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             raise APIError(400, "tokens must not be empty", param="tokens")
         return {"prompt": ctx.engine.decode(body.tokens, skip_special_tokens=False)}
 
+    if ctx.settings.allow_runtime_lora_updating:
+        add_lora_routes(app, ctx, authorized)
     if ctx.settings.console:
         # The pages hold no data and are open: a browser cannot send a bearer token when it navigates. Every
         # figure they show comes from /v1 routes, which ask for the key (the page prompts for it on a 401).

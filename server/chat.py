@@ -92,7 +92,7 @@ def _arguments(arguments: str, param: str) -> dict:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
     ctx.check_known_fields(body)
-    ctx.check_model(body.model)
+    lora = ctx.lora_of(body.model)
     check_chat_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -107,8 +107,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
     prompt = chat_prompt(body.messages, body.add_generation_prompt, tool_plan.template_tools)
-    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt)
-    generation = await Generation.start(ctx.engine, engine_request, random_id("chatcmpl"), ctx.count_disconnect)
+    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt, lora)
+    generation = await Generation.start(
+        ctx.engine, engine_request, random_id("chatcmpl"), ctx.count_disconnect, ctx.response_model(lora)
+    )
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, tool_plan)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
@@ -116,7 +118,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     await generation.run_to_end(request)
     choices = [_choice(choice, tool_plan) for choice in generation.choices]
     response = ChatCompletionResponse(
-        id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
+        id=generation.request_id, created=generation.created, model=generation.model, choices=choices,
         usage=generation.usage(),
         prompt_logprobs=vllm_prompt_logprobs(body.prompt_logprobs, generation.choices[0].prompt_logprobs),
     )  # fmt: skip
@@ -153,7 +155,7 @@ async def _stream_chunks(
     body: ChatCompletionRequest, ctx: ServerContext, generation: Generation, tool_plan: ToolPlan
 ) -> AsyncIterator[ChatCompletionChunk]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=ctx.model_name,
+        return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=generation.model,
                                    choices=choices, usage=usage)  # fmt: skip
 
     parsers = {choice.index: tool_plan.parser.streaming() for choice in generation.choices if tool_plan.parser}

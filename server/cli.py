@@ -48,7 +48,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if typing.get_origin(annotation) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(annotation), default=None, help=field.description)
-        elif typing.get_origin(annotation) is list:
+        elif typing.get_origin(annotation) in (list, tuple):
             parser.add_argument(flag, nargs="+", default=None, help=field.description)
         elif annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)

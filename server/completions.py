@@ -28,7 +28,7 @@ from kvserve.server.supported_fields import check_completion_fields
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
     ctx.check_known_fields(body)
-    ctx.check_model(body.model)
+    lora = ctx.lora_of(body.model)
     check_completion_fields(body)
     prompts = _split_prompts(body.prompt)
     # max_tokens 0 with echo scores the prompt alone (lm-eval's loglikelihood): one token is generated, not returned.
@@ -42,8 +42,10 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         body, max_tokens=1 if scores_prompt_only else body.max_tokens, logprobs=logprobs, grammar=grammar_of(body),
         prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
-    engine_request = GenerationRequest(prompts, params, num_candidates, body.cache_salt)
-    generation = await Generation.start(ctx.engine, engine_request, random_id("cmpl"), ctx.count_disconnect)
+    engine_request = GenerationRequest(prompts, params, num_candidates, body.cache_salt, lora)
+    generation = await Generation.start(
+        ctx.engine, engine_request, random_id("cmpl"), ctx.count_disconnect, ctx.response_model(lora)
+    )
     echoes = [_echo_text(ctx, body, prompt) for prompt in prompts]
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, echoes, scores_prompt_only)
@@ -65,7 +67,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                                         prompt_logprobs=prompt_logprobs))  # fmt: skip
     usage = generation.usage()
     response = CompletionResponse(
-        id=generation.request_id, created=generation.created, model=ctx.model_name, choices=choices,
+        id=generation.request_id, created=generation.created, model=generation.model, choices=choices,
         usage=Usage.of(usage.prompt_tokens, 0) if scores_prompt_only else usage,
     )  # fmt: skip
     return JSONResponse(response.model_dump())
@@ -130,12 +132,12 @@ async def _stream_chunks(
         text_offsets[choice.index] = text_offsets.get(choice.index, 0) + len(text)
         chunk_choice = CompletionChunkChoice(index=choice.index, text=text, logprobs=logprobs,
                                              finish_reason=delta.finish_reason)  # fmt: skip
-        yield CompletionChunk(id=generation.request_id, created=generation.created, model=ctx.model_name,
+        yield CompletionChunk(id=generation.request_id, created=generation.created, model=generation.model,
                               choices=[chunk_choice])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
         usage = generation.usage()
         yield CompletionChunk(
-            id=generation.request_id, created=generation.created, model=ctx.model_name, choices=[],
+            id=generation.request_id, created=generation.created, model=generation.model, choices=[],
             usage=Usage.of(usage.prompt_tokens, 0) if scores_prompt_only else usage,
         )  # fmt: skip
 

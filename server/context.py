@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from kvserve.engine import SamplingParams
 from kvserve.engine.async_engine import AsyncLLMEngine
 from kvserve.engine.sampling_params import GrammarSpec
+from kvserve.kvcache import AdapterTag
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import RequestModel, SamplingFields
@@ -23,11 +24,26 @@ class ServerContext:
     _logged_unknown_fields: set[str] = field(default_factory=set)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        """A 404 in OpenAI's shape unless `name` is the base model or a loaded LoRA adapter (or not given)."""
+        self.lora_of(name)
+
+    def lora_of(self, name: str | None) -> AdapterTag | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 for a name nothing serves."""
+        if name is None or name == self.model_name:
+            return None
+        tag = self.engine.lora_tag(name)
+        if tag is None:
+            adapters = [tag.name for tag in self.engine.loaded_loras()]
+            served = ", ".join(repr(served) for served in [self.model_name, *adapters])
             raise APIError(
-                404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                404, f"model {name!r} does not exist; this server serves {served}",
                 type="not_found_error", param="model", code="model_not_found",
             )  # fmt: skip
+        return tag
+
+    def response_model(self, lora: AdapterTag | None) -> str:
+        """The `model` a response names: the adapter's name, or the base model's."""
+        return lora.name if lora is not None else self.model_name
 
     def check_known_fields(self, body: RequestModel) -> None:
         """A 400 naming the fields no model declares, as OpenAI answers a misspelt or unsupported one; with the

@@ -50,8 +50,12 @@ class Choice:
 class Generation:
     """One API request's choices: queued in the engine together, read together, aborted together."""
 
-    def __init__(self, stream: GenerationStream, request_id: str, on_disconnect: Callable[[], None]) -> None:
+    def __init__(
+        self, stream: GenerationStream, request_id: str, on_disconnect: Callable[[], None], model: str
+    ) -> None:
+        """`model`: the name responses give (the base model's, or the LoRA adapter's)."""
         self.request_id = request_id
+        self.model = model
         self.created = now_s()
         self.on_disconnect = on_disconnect
         self.processed = stream.processed
@@ -60,10 +64,11 @@ class Generation:
 
     @classmethod
     async def start(
-        cls, engine: AsyncLLMEngine, request: GenerationRequest, request_id: str, on_disconnect: Callable[[], None]
-    ) -> "Generation":
+        cls, engine: AsyncLLMEngine, request: GenerationRequest, request_id: str, on_disconnect: Callable[[], None],
+        model: str,
+    ) -> "Generation":  # fmt: skip
         """Check and queue the request in the engine (its errors are the API's 400, 429 and 503)."""
-        return cls(await engine.generate(request, request_id), request_id, on_disconnect)
+        return cls(await engine.generate(request, request_id), request_id, on_disconnect, model)
 
     def abort(self) -> None:
         self._stream.abort()

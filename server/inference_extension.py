@@ -12,14 +12,21 @@ their queues and KV caches as it routes to vLLM's. They are views of the same st
   free to evict;
 - `vllm:cache_config_info`: an info gauge (always 1) whose labels `block_size` and `num_gpu_blocks` give the
   cache's capacity in tokens (their product), as vLLM's does; `num_gpu_blocks` is the KV pool's block count on any
-  device.
+  device;
+- `vllm:lora_requests_info` (with LoRA adapters): labels `max_lora`, `running_lora_adapters` and
+  `waiting_lora_adapters` (comma-separated names), its value the time of the last step (the picker reads the series
+  with the latest time). Unlike vLLM, which keeps every combination it ever had, only the current one is exported.
 
-Each is labelled `model_name` and `engine` ("0": one engine core per server), as vLLM labels them.
+Each is labelled `model_name` and `engine` ("0": one engine core per server), as vLLM labels them (but
+`vllm:lora_requests_info`, which vLLM labels with its three only).
 """
+
+import time
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from kvserve.engine.stats import StepStats
+from kvserve.scheduler import LoraRequestCounts
 
 PREFIX = "vllm:"
 ENGINE_INDEX = "0"
@@ -42,8 +49,13 @@ class InferenceExtensionMetrics:
             PREFIX + "cache_config_info", "The KV cache's shape: block_size tokens a block, num_gpu_blocks blocks.",
             [*labels, "block_size", "num_gpu_blocks"], registry=registry,
         )  # fmt: skip
+        self._lora_info = Gauge(
+            PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry,
+        )  # fmt: skip
         self._labels = labels
         self._cache_shape: tuple[int, int] | None = None
+        self._lora_labels: dict[str, str] | None = None
 
     def record_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every loop iteration, with kvserve's own metrics."""
@@ -58,3 +70,15 @@ class InferenceExtensionMetrics:
             self._cache_config.clear()
             block_size, num_blocks = shape
             self._cache_config.labels(**self._labels, block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)
+        if stats.lora_requests is not None:
+            self._record_loras(stats.lora_requests)
+
+    def _record_loras(self, counts: LoraRequestCounts) -> None:
+        labels = {
+            "max_lora": str(counts.max_loras), "waiting_lora_adapters": ",".join(counts.waiting),
+            "running_lora_adapters": ",".join(counts.running),
+        }  # fmt: skip
+        if labels != self._lora_labels:
+            self._lora_info.clear()
+            self._lora_labels = labels
+        self._lora_info.labels(**labels).set(time.time())

@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine.stats import FINISH_REASONS, StepStats
+from kvserve.scheduler import LoraRequestCounts
 from kvserve.server.bulk_histogram import BulkHistogram, BulkHistogramCollector
 from kvserve.server.inference_extension import InferenceExtensionMetrics
 
@@ -145,6 +146,10 @@ class ServerMetrics:
         self.step_batch_tokens = histogram("step_batch_tokens", "Tokens in one model step.", BATCH_TOKEN_BUCKETS)
         self.registry.register(BulkHistogramCollector(histograms, {"model_name": model}))
         self.inference_extension = InferenceExtensionMetrics(self.registry, model)
+        self._lora_running = Gauge(PREFIX + "lora_requests_running", "Running requests of each LoRA adapter.",
+                                   ["model_name", "lora_name"], registry=self.registry)  # fmt: skip
+        self._lora_waiting = Gauge(PREFIX + "lora_requests_waiting", "Waiting requests of each LoRA adapter.",
+                                   ["model_name", "lora_name"], registry=self.registry)  # fmt: skip
 
     def record_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every loop iteration."""
@@ -173,6 +178,8 @@ class ServerMetrics:
                 counter.inc(amount)
         if any(stats.expert_tokens):
             self._record_expert_tokens(stats.expert_tokens)
+        if stats.lora_requests is not None:
+            self._record_lora_requests(stats.lora_requests)
         self.time_to_first_token.observe_all(stats.time_to_first_token_s)
         self.inter_token_latency.observe_all(stats.inter_token_latency_s)
         for reason in stats.finish_reasons:
@@ -185,6 +192,13 @@ class ServerMetrics:
             self.request_decode_time.observe_all(request.decode_time_s for request in completed)
             self.request_prompt_tokens.observe_all(request.num_prompt_tokens for request in completed)
             self.request_generation_tokens.observe_all(request.num_generation_tokens for request in completed)
+
+    def _record_lora_requests(self, counts: LoraRequestCounts) -> None:
+        """Per adapter with requests now; an adapter without any drops out (unloaded ones would pile up)."""
+        for gauge, per_adapter in ((self._lora_running, counts.running), (self._lora_waiting, counts.waiting)):
+            gauge.clear()
+            for name, count in per_adapter.items():
+                gauge.labels(self._model_name, name).set(count)
 
     def _record_expert_tokens(self, expert_tokens: list[int]) -> None:
         for expert, tokens in enumerate(expert_tokens):

@@ -371,11 +371,32 @@ class CompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model: the base model, or (as vLLM lists them) a LoRA adapter with its directory as `root` and the
+    base model as `parent`."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvserve"
     max_model_len: int
+    root: str | None = None
+    parent: str | None = None
+
+
+class LoadLoraAdapterRequest(RequestModel):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace an adapter already loaded under the name
+    is_3d_lora_weight: bool = False  # vLLM's MoE expert weights in one tensor: refused when true
+
+
+class UnloadLoraAdapterRequest(RequestModel):
+    """vLLM's body of POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # if given, the loaded adapter's id must be this
 
 
 class ModelList(BaseModel):
@@ -452,6 +473,7 @@ class RunningRequestInfo(BaseModel):
     block_ranges: list[tuple[int, int]] = Field(description="its block table as runs of block ids, [start, end)")
     num_preemptions: int
     num_unfilled_slots: int
+    lora_name: str | None = Field(None, description="the LoRA adapter it runs under (null: the base model)")
 
 
 class RequestQueueState(BaseModel):

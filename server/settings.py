@@ -4,13 +4,14 @@ Precedence, lowest to highest: defaults < `--config` YAML < `KVSERVE_<FIELD>` en
 < command-line flags. Unknown keys and wrong types are refused with a message naming the key.
 """
 
+import json
 import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from kvserve.engine import EngineConfig
 
@@ -55,6 +56,17 @@ class _ServerOnlySettings(BaseModel):
     engine_stall_timeout_s: float = Field(
         60.0, gt=0, description="/health turns 503 when requests wait and no model step has ended for this long"
     )
+    allow_runtime_lora_updating: bool = Field(
+        False, description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read server paths)"
+    )
+
+    @field_validator("lora_modules", mode="before", check_fields=False)
+    @classmethod
+    def _lora_modules(cls, value):
+        """`name=path` strings (flags, env) or {name, path} objects (YAML, vLLM's JSON form) as (name, path) pairs."""
+        if not isinstance(value, list | tuple):
+            return value
+        return [_lora_module(item) for item in value]
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{field.name: getattr(self, field.name) for field in fields(EngineConfig)})
@@ -67,6 +79,22 @@ ServerSettings = create_model(
     __doc__="Server and engine settings, as one flat model (YAML keys, KVSERVE_* variables and flags).",
     **{field.name: (field.type, field.default) for field in fields(EngineConfig)},
 )
+
+
+def _lora_module(item):
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        item = json.loads(item)
+    if isinstance(item, dict):
+        unknown = set(item) - {"name", "path"}
+        if unknown or not {"name", "path"} <= set(item):
+            raise ValueError(f"a LoRA module is {{name, path}}, got {sorted(item)}")
+        return (item["name"], item["path"])
+    if isinstance(item, str):
+        name, equals, path = item.partition("=")
+        if not equals or not name or not path:
+            raise ValueError(f"a LoRA module is name=path, got {item!r}")
+        return (name, path)
+    return item
 
 
 def load_settings(config_file: str | Path | None, cli_overrides: dict, environ: dict | None = None) -> ServerSettings:

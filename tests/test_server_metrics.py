@@ -35,6 +35,8 @@ EXPECTED_TYPES = {
     "kvserve:client_disconnects": "counter",
     "kvserve:moe_expert_tokens": "counter",
     "kvserve:moe_expert_load_imbalance": "gauge",
+    "kvserve:lora_requests_running": "gauge",
+    "kvserve:lora_requests_waiting": "gauge",
     "kvserve:requests_finished": "counter",
     "kvserve:requests_rejected": "counter",
     "kvserve:http_requests": "counter",
@@ -54,6 +56,8 @@ EXTRA_LABELS = {  # beyond model_name (and a histogram bucket's `le`)
     "kvserve:requests_rejected": {"reason"},
     "kvserve:http_requests": {"route", "method", "status"},
     "kvserve:moe_expert_tokens": {"expert"},
+    "kvserve:lora_requests_running": {"lora_name"},
+    "kvserve:lora_requests_waiting": {"lora_name"},
 }
 
 

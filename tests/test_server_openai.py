@@ -617,7 +617,7 @@ def test_each_choice_finishes_once_even_when_its_deltas_queue_up_behind_a_slow_r
         streams = [RequestStream(), RequestStream()]
         processed = ProcessedRequest([[1]], [SamplingParams()], n=2)
         stream = GenerationStream(FakeEngine(), processed, ["cmpl-x-0", "cmpl-x-1"], streams)
-        generation = Generation(stream, "cmpl-x", on_disconnect=lambda: None)
+        generation = Generation(stream, "cmpl-x", on_disconnect=lambda: None, model="tiny-llama")
         updates = generation.updates()
         streams[1].add(delta(1, 5, None))
         seen = [((choice := (await anext(updates))[0]).index, choice.finish_reason)]

@@ -73,3 +73,20 @@ def test_kvserve_serve_refuses_a_flag_of_the_wrong_type(capsys):
         cli.main(["serve", "--max-num-seqs", "lots"])
     assert exit_info.value.code == 2
     assert "--max-num-seqs" in capsys.readouterr().err
+
+
+def test_lora_modules_come_as_name_equals_path_or_objects_from_flags_env_and_yaml(tmp_path):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("enable_lora: true\nlora_modules:\n  - {name: a, path: /adapters/a}\n  - b=/adapters/b\n")
+    assert load_settings(config_file, {}, environ={}).engine_config().lora_modules == (
+        ("a", "/adapters/a"), ("b", "/adapters/b"),
+    )  # fmt: skip
+    env = {"KVSERVE_ENABLE_LORA": "true", "KVSERVE_LORA_MODULES": '[c=/adapters/c, {"name": "d", "path": "/d"}]'}
+    assert load_settings(None, {}, environ=env).lora_modules == (("c", "/adapters/c"), ("d", "/d"))
+    args = cli._parse_args(["serve", "--enable-lora", "--lora-modules", "e=/adapters/e", "f=/adapters/f"])
+    assert args.lora_modules == ["e=/adapters/e", "f=/adapters/f"]
+    for bad in (["nameonly"], [{"name": "x"}]):
+        with pytest.raises(SettingsError, match="LoRA module"):
+            load_settings(None, {"enable_lora": True, "lora_modules": bad}, environ={})
+    with pytest.raises(SettingsError, match="lora_modules needs enable_lora"):
+        load_settings(None, {"lora_modules": ["a=/x"]}, environ={})

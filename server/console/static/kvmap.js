@@ -187,7 +187,8 @@ export class KVMapView {
       const ids = blockIds(request);
       const emptySlots = Math.max(0, request.num_unfilled_slots - (ids.length - 1 - ids.indexOf(block)) * kv.block_size);
       const filled = kv.block_size - Math.min(kv.block_size, emptySlots);
-      return `block ${block}: held by ${request.request_id}, ${filled} of ${kv.block_size} slots filled`;
+      const adapter = request.lora_name ? ` (LoRA adapter ${request.lora_name})` : "";
+      return `block ${block}: held by ${request.request_id}${adapter}, ${filled} of ${kv.block_size} slots filled`;
     }
     if (state === "evictable") return `block ${block}: cached prefix, held by no request, evictable`;
     return `block ${block}: free`;
@@ -231,6 +232,7 @@ export class KVMapView {
       const row = tableRow([
         swatch,
         request.request_id,
+        request.lora_name ?? "base",
         request.num_prompt_tokens,
         request.num_output_tokens,
         numBlocks(request),
