@@ -4,7 +4,8 @@ Decode and extend attention over bf16 and int8 caches (block 16, 32 query / 8 KV
 and 128, contexts up to 32k), the KV store (bf16 and int8, which must be exact: its divisions are
 IEEE-rounded, as torch's are), the fused layer ops at Llama-3-8B sizes (hidden 4096, MLP 14336,
 head_dim 128), GGUF's block formats through the torch path and compressed-tensors' group layouts through the Triton
-GEMM (FP8_DYNAMIC through `torch._scaled_mm`) at Llama-3-8B's MLP shape, with their times.
+GEMM (FP8_DYNAMIC through `torch._scaled_mm`) at Llama-3-8B's MLP shape, and the LoRA GEMMs over mixed adapters at its
+q/k/v shape, with their times.
 Each line prints the largest difference and the bound it is held to; the script exits 1 if any exceeds it.
 
     python -m benchmarks.gpu_kernel_check           # CUDA
@@ -215,6 +216,45 @@ def check_group_quant(checker, device, smoke) -> None:
                       f"{torch_path:.3f} ms, dense bf16 {dense_ms:.3f} ms per call")  # fmt: skip
 
 
+def check_lora(checker, device, smoke) -> None:
+    """The LoRA GEMMs (Triton shrink/expand) against the torch path on bfloat16 at Llama-3-8B's q/k/v shape, rank 16,
+    for a decode batch of 32 tokens over 32 adapters, of 8, and a 2048-token prompt chunk of one: within two bfloat16
+    units of the largest output (both round h and the delta to bfloat16). On a GPU, times per call beside the base
+    layer's GEMM."""
+    import numpy as np
+
+    from kvserve.kernels import torch_lora, triton_lora
+    from kvserve.kernels.lora import LoraBatch, LoraStacks
+
+    hidden, parts, rank, slots = (256, ((0, 128), (128, 32), (160, 32)), 16, 8) if smoke else (
+        4096, ((0, 4096), (4096, 1024), (5120, 1024)), 16, 32)  # fmt: skip
+    out_features = sum(rows for _, rows in parts)
+    stacks = LoraStacks(
+        torch.randn(slots, len(parts) * rank, hidden, dtype=torch.bfloat16, device=device) / hidden**0.5,
+        torch.randn(slots, out_features, rank, dtype=torch.bfloat16, device=device) / rank**0.5, parts,
+    )  # fmt: skip
+    base = torch.randn(out_features, hidden, dtype=torch.bfloat16, device=device) / hidden**0.5
+    for label, token_slots in (
+        (f"decode, 32 tokens of {slots} adapters", np.arange(32) % slots),
+        ("decode, 32 tokens of 8 adapters", np.arange(32) % 8),
+        ("prompt chunk, 2048 tokens of 1 adapter", np.zeros(2048 if not smoke else 64, dtype=np.int64)),
+    ):
+        x = torch.randn(len(token_slots), hidden, dtype=torch.bfloat16, device=device)
+        batch = LoraBatch(len(token_slots), slots, device)
+        batch.set(token_slots.astype(np.int64))
+        out = torch.zeros(len(token_slots), out_features, dtype=torch.bfloat16, device=device)
+        expected = torch_lora.add_lora(out.clone(), x, stacks, batch).float()
+        actual = triton_lora.add_lora(out.clone(), x, stacks, batch).float()
+        bound = 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item()
+        checker.report(f"LoRA {label}", (actual - expected).abs().max().item(), bound)
+        if device.type == "cuda":
+            ours = time_ms(triton_lora.add_lora, out, x, stacks, batch)
+            torch_path = time_ms(torch_lora.add_lora, out, x, stacks, batch)
+            base_ms = time_ms(torch.nn.functional.linear, x, base)
+            print(f"     LoRA {label}: Triton {ours:.3f} ms, torch path {torch_path:.3f} ms, base GEMM "
+                  f"[{out_features}, {hidden}] {base_ms:.3f} ms per call")  # fmt: skip
+
+
 def time_ms(function, *args) -> float:
     """Median milliseconds of 20 calls of function(*args) after 3, by CUDA events."""
     times = []
@@ -249,6 +289,7 @@ def main() -> None:
     check_layer_ops(checker, device, args.smoke)
     check_block_quant(checker, device, args.smoke)
     check_group_quant(checker, device, args.smoke)
+    check_lora(checker, device, args.smoke)
     print(f"{checker.failures} failures")
     sys.exit(1 if checker.failures else 0)
 

@@ -159,7 +159,9 @@ class InputBuffers:
             token_slots = np.full(plan.num_tokens, -1, dtype=np.int64)
         else:
             token_slots = np.repeat(plan.lora_slots, plan.query_lens)
-        self.lora.set(token_slots, self.lora.tiles_for(plan.num_tokens) if plan.graph_size else None)
+        fixed_num_tiles = self.lora.tiles_for(plan.num_tokens) if plan.graph_size else None
+        num_decodes = int(np.argmax(plan.query_lens != 1)) if (plan.query_lens != 1).any() else plan.num_seqs
+        self.lora.set(token_slots, fixed_num_tiles, num_decode_rows=num_decodes)
 
     def _derive_positions_and_slots(self, num_tokens: int, num_seqs: int) -> None:
         """On the device: the step's block tables by batch order, then each token's position and cache slot."""

@@ -25,7 +25,7 @@ class LoraStacks:
     """One linear layer's adapter weights: slot s holds the adapter resident in slot s (zeros when empty)."""
 
     a: torch.Tensor  # [slots, num_parts * max_rank, in_features]
-    b: torch.Tensor  # [slots, out_features, max_rank], scaling folded in
+    b: torch.Tensor  # [slots, out_features, max_rank], scaling folded in (the engine stores it [out, slots, rank])
     part_rows: tuple[tuple[int, int], ...]  # (first output row, rows) of each part; part p reads h[:, p*R:(p+1)*R]
 
     @property
@@ -37,24 +37,39 @@ def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+@dataclass(frozen=True)
+class DenseRows:
+    """The torch path's way with a step's leading decode rows: one shrink over the first `num_slots` slots at once and,
+    per part, one expand over them, with each row's other slots zeroed by `mask` [rows, num_slots] (a one-hot of its
+    slot; all zero for a base-model row). Two GEMMs a layer instead of two per adapter: a decode batch of 32 requests
+    of 32 adapters costs 2, not 64, and reads each slot's weights once."""
+
+    num_rows: int
+    num_slots: int
+    mask: torch.Tensor
+
+
 class LoraBatch:
     """Which adapter slot each token of the step uses, rewritten every step into buffers allocated once (a captured
     decode graph reads them, as it reads the other step inputs).
 
-    `groups` (the torch path's, read on the host): each slot used this step with its tokens, as a slice when they are
-    consecutive (one request, or requests of one adapter side by side) and an index tensor otherwise. `tiles` (the
-    Triton kernels'): rows (first index into `token_order`, rows, slot) of at most TILE_ROWS tokens of one adapter;
-    `token_order` lists the adapter tokens grouped by slot. Base-model tokens are in neither.
+    The torch path's view, read on the host: `dense` for the leading decode rows when they use most of the slots up
+    to the highest they use, and `groups` for the other tokens: each slot with its tokens, as a slice when they are
+    consecutive (a prompt chunk) and an index tensor otherwise. The Triton kernels' view: `tiles`, rows (first index
+    into `token_order`, rows, slot) of at most TILE_ROWS tokens of one adapter, `token_order` listing every adapter
+    token grouped by slot. Base-model tokens are in none of them but the dense rows (with a zero mask).
     """
 
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
         self.max_loras = max_loras
+        self.device = device
         self.max_tiles = self.tiles_for(max_num_tokens)
         self.host_token_order = _host_buffer(max_num_tokens, torch.int64, device)
         self.host_tiles = _host_buffer((self.max_tiles, 3), torch.int32, device)
         on_host = device.type == "cpu"
         self.token_order = self.host_token_order if on_host else torch.zeros_like(self.host_token_order, device=device)
         self.tiles = self.host_tiles if on_host else torch.zeros_like(self.host_tiles, device=device)
+        self.dense: DenseRows | None = None
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
         self.num_tiles = 0
 
@@ -64,29 +79,58 @@ class LoraBatch:
 
     @property
     def is_empty(self) -> bool:
-        return not self.groups and not self.num_tiles
+        return self.dense is None and not self.groups and not self.num_tiles
 
-    def set(self, token_slots: np.ndarray, fixed_num_tiles: int | None = None) -> None:
-        """Take this step's slot per token (-1: the base model). `fixed_num_tiles`: launch that many tiles (a decode
-        graph's, captured with it; the tiles past the step's are empty) instead of the step's own count."""
-        order = np.argsort(token_slots, kind="stable")
-        order = order[token_slots[order] >= 0]
-        slots = token_slots[order]
-        boundaries = np.flatnonzero(np.diff(slots)) + 1
-        starts = np.concatenate(([0], boundaries)) if len(order) else np.zeros(0, dtype=np.int64)
-        ends = np.concatenate((boundaries, [len(order)])) if len(order) else np.zeros(0, dtype=np.int64)
+    def set(self, token_slots: np.ndarray, fixed_num_tiles: int | None = None, num_decode_rows: int = 0) -> None:
+        """Take this step's slot per token (-1: the base model), whose first `num_decode_rows` are decodes.
+        `fixed_num_tiles`: launch that many tiles (a decode graph's, captured with it; the tiles past the step's are
+        empty) instead of the step's own count."""
+        self.dense = self._dense_rows(token_slots[:num_decode_rows])
+        grouped = token_slots.copy()
+        if self.dense is not None:
+            grouped[: self.dense.num_rows] = -1
+        grouped_order, grouped_runs = _sorted_runs(grouped)
+        self.groups = [(slot, self._rows(grouped_order[start:end])) for slot, start, end in grouped_runs]
+        order, runs = _sorted_runs(token_slots)
+        tiles = [
+            (first, min(TILE_ROWS, end - first), slot) for slot, start, end in runs
+            for first in range(start, end, TILE_ROWS)
+        ]  # fmt: skip
         self.host_token_order.numpy()[: len(order)] = order
-        groups, tiles = [], []
-        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-            slot, first, last = int(slots[start]), int(order[start]), int(order[end - 1])
-            consecutive = last - first + 1 == end - start
-            groups.append((slot, slice(first, last + 1) if consecutive else self.token_order[start:end]))
-            tiles += [(first_row, min(TILE_ROWS, end - first_row), slot) for first_row in range(start, end, TILE_ROWS)]
         num_tiles = len(tiles) if fixed_num_tiles is None else fixed_num_tiles
         host_tiles = self.host_tiles.numpy()
         host_tiles[: len(tiles)] = tiles if tiles else np.zeros((0, 3))
         host_tiles[len(tiles) : num_tiles] = 0  # empty tiles: no rows
-        self.groups, self.num_tiles = groups, num_tiles
+        self.num_tiles = num_tiles
         if self.token_order.data_ptr() != self.host_token_order.data_ptr():
             self.token_order[: len(order)].copy_(self.host_token_order[: len(order)], non_blocking=True)
             self.tiles[:num_tiles].copy_(self.host_tiles[:num_tiles], non_blocking=True)
+
+    def _dense_rows(self, decode_slots: np.ndarray) -> DenseRows | None:
+        """Dense rows when the decodes use at least half the slots up to the highest they use (else reading the
+        unused slots' weights would cost more than the groups' extra calls save)."""
+        used = np.unique(decode_slots[decode_slots >= 0])
+        if not len(used) or 2 * len(used) < used[-1] + 1:
+            return None
+        num_slots = int(used[-1]) + 1
+        mask = np.zeros((len(decode_slots), num_slots), dtype=np.float32)
+        adapter_rows = np.flatnonzero(decode_slots >= 0)
+        mask[adapter_rows, decode_slots[adapter_rows]] = 1.0
+        return DenseRows(len(decode_slots), num_slots, torch.from_numpy(mask).to(self.device))
+
+    def _rows(self, rows: np.ndarray) -> slice | torch.Tensor:
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first + 1 == len(rows):
+            return slice(first, last + 1)
+        return torch.from_numpy(rows).to(self.device)
+
+
+def _sorted_runs(token_slots: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """The adapter tokens' rows sorted by slot (stable: rows in order within a slot), and each slot's run in it as
+    (slot, start, end)."""
+    order = np.argsort(token_slots, kind="stable")
+    order = order[token_slots[order] >= 0]
+    slots = token_slots[order]
+    starts = np.flatnonzero(np.diff(slots, prepend=-1)).tolist()
+    ends = [*starts[1:], len(order)] if starts else []
+    return order, [(int(slots[start]), start, end) for start, end in zip(starts, ends, strict=True)]

@@ -47,7 +47,9 @@ SLOT_PATTERNS = {
 
 @pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_mixed_adapters_match_each_token_alone(pattern, path):
+@pytest.mark.parametrize("decodes", ["no_decodes", "some_decodes", "all_decodes"])
+def test_mixed_adapters_match_each_token_alone(pattern, path, decodes):
+    """Leading decode rows go through the torch path's dense pass over the slots (when they use most of them)."""
     generator = torch.Generator().manual_seed(0)
     token_slots = np.array(SLOT_PATTERNS[pattern], dtype=np.int64)
     stacks = _stacks(3, [8, 4, 1], generator)
@@ -55,7 +57,10 @@ def test_mixed_adapters_match_each_token_alone(pattern, path):
     out = torch.randn(len(token_slots), stacks.b.shape[1], generator=generator)
     expected = _expected(out, x, stacks, token_slots)
     batch = LoraBatch(max_num_tokens=64, max_loras=3, device=torch.device("cpu"))
-    batch.set(token_slots)
+    num_decode_rows = {"no_decodes": 0, "some_decodes": len(token_slots) // 2, "all_decodes": len(token_slots)}[decodes]
+    batch.set(token_slots, num_decode_rows=num_decode_rows)
+    decode_slots = token_slots[:num_decode_rows]
+    assert (batch.dense is not None) == (decode_slots >= 0).any()  # these patterns use most slots they reach
     if path == "torch":
         result = torch_lora.add_lora(out, x, stacks, batch)
     else:
@@ -90,3 +95,13 @@ def test_groups_are_slices_for_consecutive_tokens_and_indices_otherwise():
     (slot_0, rows_0), (slot_1, rows_1) = batch.groups
     assert (slot_0, rows_0) == (0, slice(3, 4))
     assert slot_1 == 1 and rows_1.tolist() == [1, 2, 4]
+
+
+def test_decodes_of_few_of_the_slots_they_reach_take_the_groups():
+    """One decode in slot 7 and one in slot 0: a dense pass would read six unused slots' weights."""
+    batch = LoraBatch(max_num_tokens=16, max_loras=8, device=torch.device("cpu"))
+    batch.set(np.array([7, 0, 3, 3], dtype=np.int64), num_decode_rows=2)
+    assert batch.dense is None and [slot for slot, _ in batch.groups] == [0, 3, 7]
+    batch.set(np.array([1, 0, -1, 3, 3], dtype=np.int64), num_decode_rows=3)
+    assert batch.dense.num_slots == 2 and batch.dense.mask.tolist() == [[0, 1], [1, 0], [0, 0]]
+    assert batch.groups == [(3, slice(3, 5))]

@@ -50,7 +50,9 @@ class ModelLoraSlots:
             self._targets[module_name] = _Target(module, tuple(range(len(parts))))
             stacks = LoraStacks(
                 a=torch.zeros(max_loras, len(parts) * max_rank, module.in_features, dtype=dtype, device=device),
-                b=torch.zeros(max_loras, module.out_features, max_rank, dtype=dtype, device=device),
+                # Stored [out, slots, rank]: the torch path's dense pass reads the first slots of each row as one
+                # [out, slots * rank] matrix, without a copy.
+                b=torch.zeros(module.out_features, max_loras, max_rank, dtype=dtype, device=device).transpose(0, 1),
                 part_rows=tuple(part_rows),
             )
             module.lora = LayerLora(stacks, batch)
