@@ -70,6 +70,10 @@ class Worker:
             batch = LoraBatch(max_num_tokens(limits, config.max_num_seqs), config.max_loras, device)
             dtype = next(model.parameters()).dtype
             lora_slots = ModelLoraSlots(model, config.max_loras, config.max_lora_rank, batch, dtype, device)
+            logger.info(
+                "LoRA: %d adapter slots of rank %d in every adaptable layer (%.1f MiB)", config.max_loras,
+                config.max_lora_rank, lora_slots.nbytes / 2**20,
+            )  # fmt: skip
         with progress.phase("sizing the KV cache"):
             kv_cache = build_kv_cache(config, model, device, limits, backend, group)
         log_kv_cache(model, kv_cache, device, model_dir)

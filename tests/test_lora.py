@@ -16,6 +16,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.lora.peft_adapter import LoraAdapterError, read_peft_adapter
 from kvserve.testing.lora_adapters import write_peft_adapter
 from tests.test_parity import SCHEDULING_PATHS, assert_matches_hf, build_hf_reference, recorded_graph_replays
+from tests.test_phi3 import phi3  # noqa: F401 - the fixture
 
 # Ranks, scalings and targets that differ: attention only; every linear layer with rsLoRA; the output projection and
 # MLP with a per-module rank and alpha.
@@ -225,3 +226,37 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_with_the_shapes(tiny_
         with pytest.raises(LoraAdapterError, match=r"k_proj is \[128, 64\] in the adapter but \[32, 64\]"):
             llm.load_lora("other", str(adapter_dir))
         assert llm.engine.core.loras.loaded() == []
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tokenizer, tmp_path_factory) -> Path:
+    from kvserve.testing.tiny_checkpoint import write_random_checkpoint
+    from tests.test_moe_models import MOE_CONFIGS
+
+    config = MOE_CONFIGS["qwen2_moe"](len(tokenizer))
+    return write_random_checkpoint(config, tokenizer, tmp_path_factory.mktemp("lora-moe") / "qwen2_moe", seed=11)
+
+
+@pytest.mark.parametrize(
+    ("model", "targets"),
+    [
+        ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),  # fused checkpoint modules, adapted whole
+        ("qwen2_moe", ["q_proj", "v_proj", "o_proj", "shared_expert.up_proj", "shared_expert.down_proj"]),
+    ],
+)
+def test_fused_projections_and_a_moe_models_shared_expert_match_hf_and_peft(model, targets, request, tmp_path):
+    model_dir = request.getfixturevalue(model)
+    adapter = write_peft_adapter(model_dir, tmp_path / "adapter", seed=3, r=8, lora_alpha=16, target_modules=targets)
+    reference = build_hf_reference(model_dir, prepare_model=lambda hf_model: _load_peft(hf_model, adapter))
+    with LLM(str(model_dir), enable_lora=True, lora_modules=(("a", str(adapter)),)) as llm:
+        assert_matches_hf(llm, reference, "one_batch", lora_names=["a"] * len(reference))
+
+
+def test_an_adapter_on_moe_experts_is_refused_by_name(adapter_dir):
+    weights_path = adapter_dir / "adapter_model.safetensors"
+    weights = load_file(weights_path)
+    weights["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
+    weights["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight"] = torch.zeros(32, 4)
+    save_file(weights, weights_path)
+    with pytest.raises(LoraAdapterError, match="MoE experts"):
+        read_peft_adapter("x", adapter_dir, max_rank=16)

@@ -76,11 +76,6 @@ class LoraManager:
         """Bytes of adapter weights held on the host (loaded ones, and unloaded ones still running)."""
         return sum(loaded.adapter.nbytes for loaded in [*self._loaded.values(), *self._retired.values()])
 
-    def resident(self) -> dict[str, int]:
-        """Adapter name -> slot, for the adapters in a slot now."""
-        names = {loaded.tag.adapter_id: loaded.tag.name for loaded in [*self._loaded.values(), *self._retired.values()]}
-        return {names[adapter_id]: slot for adapter_id, slot in self._slots.items() if adapter_id in names}
-
     def acquire(self, tag: AdapterTag) -> None:
         """A request of this adapter was queued."""
         self._users[tag.adapter_id] += 1
