@@ -205,14 +205,10 @@ def test_adapters_that_change_more_than_a_low_rank_delta_are_refused_by_name(ada
 def test_a_rank_above_max_lora_rank_and_unadaptable_modules_are_refused(adapter_dir):
     with pytest.raises(LoraAdapterError, match="max_lora_rank"):
         read_peft_adapter("x", adapter_dir, max_rank=2)
-    weights_path = adapter_dir / "adapter_model.safetensors"
-    weights = load_file(weights_path)
-    weights["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(4, 512)
-    weights["base_model.model.model.embed_tokens.lora_B.weight"] = torch.zeros(64, 4)
-    save_file(weights, weights_path)
+    _add_module(adapter_dir, "model.embed_tokens", in_features=512, out_features=64)
     with pytest.raises(LoraAdapterError, match="embed_tokens"):
         read_peft_adapter("x", adapter_dir, max_rank=16)
-    weights_path.unlink()
+    (adapter_dir / "adapter_model.safetensors").unlink()
     with pytest.raises(LoraAdapterError, match=r"no adapter_model\.safetensors"):
         read_peft_adapter("x", adapter_dir, max_rank=16)
 
@@ -253,10 +249,15 @@ def test_fused_projections_and_a_moe_models_shared_expert_match_hf_and_peft(mode
 
 
 def test_an_adapter_on_moe_experts_is_refused_by_name(adapter_dir):
-    weights_path = adapter_dir / "adapter_model.safetensors"
-    weights = load_file(weights_path)
-    weights["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
-    weights["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight"] = torch.zeros(32, 4)
-    save_file(weights, weights_path)
+    _add_module(adapter_dir, "model.layers.0.mlp.experts.0.gate_proj", in_features=64, out_features=32)
     with pytest.raises(LoraAdapterError, match="MoE experts"):
         read_peft_adapter("x", adapter_dir, max_rank=16)
+
+
+def _add_module(adapter_dir: Path, module: str, in_features: int, out_features: int) -> None:
+    """Add a rank-4 lora_A/lora_B pair for `module` to the adapter's weights, as PEFT names them."""
+    weights_path = adapter_dir / "adapter_model.safetensors"
+    weights = load_file(weights_path)
+    weights[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(4, in_features)
+    weights[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(out_features, 4)
+    save_file(weights, weights_path)
