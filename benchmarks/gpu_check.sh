@@ -64,7 +64,7 @@ if compgen -G "$wheels_dir/*.whl" >/dev/null; then
 else
     echo "=== wheels: none carried (bash benchmarks/gpu_wheels.sh makes gpu_wheels/): the server's packages may be missing"
 fi
-kernel_tests=(tests/test_triton_kernels.py tests/test_triton_layer_ops.py tests/test_step_path.py)
+kernel_tests=(tests/test_triton_kernels.py tests/test_triton_layer_ops.py tests/test_lora_kernels.py tests/test_step_path.py)
 if [ "$dry_run" -eq 1 ]; then
     step kernel_tests 120 "$python" -m pytest -q -p no:cacheprovider --collect-only "${kernel_tests[@]}" tests/test_parity.py
 else

@@ -8,6 +8,8 @@ import torch
 from kvserve.kernels import torch_lora
 from kvserve.kernels.lora import TILE_ROWS, LoraBatch, LoraStacks
 
+# The Triton kernels run on the GPU where there is one (the interpreter otherwise); the torch path on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IN_FEATURES = 48
 PART_ROWS = ((0, 32), (32, 8), (40, 8))  # q/k/v-like parts of a packed layer
 MAX_RANK = 8
@@ -56,11 +58,14 @@ def test_mixed_adapters_match_each_token_alone(pattern, path, decodes):
     x = torch.randn(len(token_slots), IN_FEATURES, generator=generator)
     out = torch.randn(len(token_slots), stacks.b.shape[1], generator=generator)
     expected = _expected(out, x, stacks, token_slots)
-    batch = LoraBatch(max_num_tokens=64, max_loras=3, device=torch.device("cpu"))
+    device = DEVICE if path == "triton" else torch.device("cpu")
+    batch = LoraBatch(max_num_tokens=64, max_loras=3, device=device)
     num_decode_rows = {"no_decodes": 0, "some_decodes": len(token_slots) // 2, "all_decodes": len(token_slots)}[decodes]
     batch.set(token_slots, num_decode_rows=num_decode_rows)
     decode_slots = token_slots[:num_decode_rows]
     assert (batch.dense is not None) == (decode_slots >= 0).any()  # these patterns use most slots they reach
+    stacks = LoraStacks(stacks.a.to(device), stacks.b.to(device), stacks.part_rows)
+    out, x = out.to(device), x.to(device)
     if path == "torch":
         result = torch_lora.add_lora(out, x, stacks, batch)
     else:
@@ -68,7 +73,7 @@ def test_mixed_adapters_match_each_token_alone(pattern, path, decodes):
 
         result = triton_lora.add_lora(out, x, stacks, batch)
     assert result is out
-    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(result.cpu(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_a_graph_sized_batch_launches_empty_tiles_that_change_nothing():
@@ -79,13 +84,15 @@ def test_a_graph_sized_batch_launches_empty_tiles_that_change_nothing():
     stacks = _stacks(2, [8, 8], generator)
     token_slots = np.array([1, -1, 0], dtype=np.int64)
     x = torch.randn(3, IN_FEATURES, generator=generator)
-    out = torch.zeros(3, stacks.b.shape[1])
-    batch = LoraBatch(max_num_tokens=8, max_loras=2, device=torch.device("cpu"))
+    expected = _expected(torch.zeros(3, stacks.b.shape[1]), x, stacks, token_slots)
+    out = torch.zeros(3, stacks.b.shape[1], device=DEVICE)
+    batch = LoraBatch(max_num_tokens=8, max_loras=2, device=DEVICE)
     batch.set(np.array([0] * 8, dtype=np.int64))  # a previous step's tiles must not linger
     batch.set(token_slots, fixed_num_tiles=batch.tiles_for(8))
     assert batch.num_tiles == batch.tiles_for(8) > 2
-    triton_lora.add_lora(out, x, stacks, batch)
-    torch.testing.assert_close(out, _expected(torch.zeros_like(out), x, stacks, token_slots), rtol=1e-5, atol=1e-4)
+    triton_lora.add_lora(out, x.to(DEVICE), LoraStacks(stacks.a.to(DEVICE), stacks.b.to(DEVICE), PART_ROWS), batch)
+    out = out.cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     assert out[1].abs().max() == 0  # the base-model token
 
 
