@@ -240,16 +240,17 @@ def check_lora(checker, device, smoke) -> None:
         ("prompt chunk, 2048 tokens of 1 adapter", np.zeros(2048 if not smoke else 64, dtype=np.int64)),
     ):
         x = torch.randn(len(token_slots), hidden, dtype=torch.bfloat16, device=device)
-        batch = LoraBatch(len(token_slots), slots, device)
-        batch.set(token_slots.astype(np.int64))
+        torch_batch, tiled_batch = (LoraBatch(len(token_slots), slots, device, tiled) for tiled in (False, True))
+        for batch in (torch_batch, tiled_batch):
+            batch.set(token_slots.astype(np.int64), num_decode_rows=len(token_slots) if "decode" in label else 0)
         out = torch.zeros(len(token_slots), out_features, dtype=torch.bfloat16, device=device)
-        expected = torch_lora.add_lora(out.clone(), x, stacks, batch).float()
-        actual = triton_lora.add_lora(out.clone(), x, stacks, batch).float()
+        expected = torch_lora.add_lora(out.clone(), x, stacks, torch_batch).float()
+        actual = triton_lora.add_lora(out.clone(), x, stacks, tiled_batch).float()
         bound = 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item()
         checker.report(f"LoRA {label}", (actual - expected).abs().max().item(), bound)
         if device.type == "cuda":
-            ours = time_ms(triton_lora.add_lora, out, x, stacks, batch)
-            torch_path = time_ms(torch_lora.add_lora, out, x, stacks, batch)
+            ours = time_ms(triton_lora.add_lora, out, x, stacks, tiled_batch)
+            torch_path = time_ms(torch_lora.add_lora, out, x, stacks, torch_batch)
             base_ms = time_ms(torch.nn.functional.linear, x, base)
             print(f"     LoRA {label}: Triton {ours:.3f} ms, torch path {torch_path:.3f} ms, base GEMM "
                   f"[{out_features}, {hidden}] {base_ms:.3f} ms per call")  # fmt: skip

@@ -275,7 +275,7 @@ class EngineCore:
         """Unload an adapter (None if it is not loaded): new requests cannot use it; running ones finish with it.
         Its cached blocks are forgotten once none does, so the name loaded again never finds them."""
         tag = self.loras.remove(name)
-        if tag is not None and tag not in {state.lora for state in self._sampling.values()}:
+        if tag is not None and not self.loras.runs(tag):
             self._forget_cached_blocks(tag)
         return tag
 

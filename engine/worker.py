@@ -67,7 +67,7 @@ class Worker:
         limits = step_limits(config, model.config)
         lora_slots = None
         if config.enable_lora:  # before the KV cache is sized, so the slots' memory is counted
-            batch = LoraBatch(max_num_tokens(limits, config.max_num_seqs), config.max_loras, device)
+            batch = LoraBatch(max_num_tokens(limits, config.max_num_seqs), config.max_loras, device, backend.lora_tiled)
             dtype = next(model.parameters()).dtype
             lora_slots = ModelLoraSlots(model, config.max_loras, config.max_lora_rank, batch, dtype, device)
             logger.info(

@@ -31,6 +31,7 @@ class KernelBackend(Protocol):
     returned tensors and never the inputs again."""
 
     name: str
+    lora_tiled: bool  # whether `add_lora` reads a `LoraBatch`'s tiles (the Triton kernels) or its torch view
 
     def prepare_linear(self, weight: torch.Tensor) -> object | None:
         """This backend's own form of a linear layer's weight [out, in], made once at load time (None: it uses the
@@ -147,6 +148,7 @@ class TorchBackend(TorchGemm, TorchLayerOps):
     """Pure torch path: runs on any device; the reference the C++ and Triton kernels are tested against."""
 
     name: str = "torch"
+    lora_tiled: bool = False
 
     def store_kv(self, key, value, cache, slot_mapping) -> None:
         torch_paged_attention.store_kv(key, value, cache, slot_mapping)

@@ -24,6 +24,7 @@ class CpuBackend:
     run on oneDNN's packed copies of their weights where this CPU packs their dtype (see kernels/onednn.py)."""
 
     name: str = "cpu"
+    lora_tiled: bool = False
 
     def prepare_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
         return onednn.pack(weight) if onednn.can_pack(weight) else None

@@ -53,16 +53,18 @@ class LoraBatch:
     """Which adapter slot each token of the step uses, rewritten every step into buffers allocated once (a captured
     decode graph reads them, as it reads the other step inputs).
 
-    The torch path's view, read on the host: `dense` for the leading decode rows when they use most of the slots up
-    to the highest they use, and `groups` for the other tokens: each slot with its tokens, as a slice when they are
-    consecutive (a prompt chunk) and an index tensor otherwise. The Triton kernels' view: `tiles`, rows (first index
-    into `token_order`, rows, slot) of at most TILE_ROWS tokens of one adapter, `token_order` listing every adapter
-    token grouped by slot. Base-model tokens are in none of them but the dense rows (with a zero mask).
+    A batch is made for one reader (`tiled`), and `set` builds that reader's view only. The torch path's, read on the
+    host: `dense` for the leading decode rows when they use most of the slots up to the highest they use, and
+    `groups` for the other tokens: each slot with its tokens, as a slice when they are consecutive (a prompt chunk)
+    and an index tensor otherwise. The Triton kernels' (`tiled`): `tiles`, rows (first index into `token_order`,
+    rows, slot) of at most TILE_ROWS tokens of one adapter, `token_order` listing every adapter token grouped by slot.
+    Base-model tokens are in none of them but the dense rows (with a zero mask).
     """
 
-    def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
+    def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device, tiled: bool) -> None:
         self.max_loras = max_loras
         self.device = device
+        self.tiled = tiled
         self.max_tiles = self.tiles_for(max_num_tokens)
         self.host_token_order = _host_buffer(max_num_tokens, torch.int64, device)
         self.host_tiles = _host_buffer((self.max_tiles, 3), torch.int32, device)
@@ -82,15 +84,20 @@ class LoraBatch:
         return self.dense is None and not self.groups and not self.num_tiles
 
     def set(self, token_slots: np.ndarray, fixed_num_tiles: int | None = None, num_decode_rows: int = 0) -> None:
-        """Take this step's slot per token (-1: the base model), whose first `num_decode_rows` are decodes.
-        `fixed_num_tiles`: launch that many tiles (a decode graph's, captured with it; the tiles past the step's are
-        empty) instead of the step's own count."""
+        """Take this step's slot per token (-1: the base model), whose first `num_decode_rows` are decodes (the torch
+        path's dense rows). `fixed_num_tiles` (tiled): launch that many tiles (a decode graph's, captured with it; the
+        tiles past the step's are empty) instead of the step's own count."""
+        if self.tiled:
+            self._set_tiles(token_slots, fixed_num_tiles)
+            return
         self.dense = self._dense_rows(token_slots[:num_decode_rows])
         grouped = token_slots.copy()
         if self.dense is not None:
             grouped[: self.dense.num_rows] = -1
         grouped_order, grouped_runs = _sorted_runs(grouped)
         self.groups = [(slot, self._rows(grouped_order[start:end])) for slot, start, end in grouped_runs]
+
+    def _set_tiles(self, token_slots: np.ndarray, fixed_num_tiles: int | None) -> None:
         order, runs = _sorted_runs(token_slots)
         tiles = [
             (first, min(TILE_ROWS, end - first), slot) for slot, start, end in runs

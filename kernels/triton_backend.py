@@ -41,6 +41,7 @@ class TritonBackend(TorchGemm):
     target_programs: int
     float8_tensor_cores: bool  # compute capability 8.9 or more: `torch._scaled_mm` multiplies float8
     name: str = "triton"
+    lora_tiled: bool = True
 
     @classmethod
     def create(cls, shape: AttentionShape, device: torch.device) -> "TritonBackend":

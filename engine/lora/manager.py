@@ -50,7 +50,7 @@ class LoraManager:
         loaded = self._loaded.pop(name, None)
         if loaded is None:
             return None
-        if self._users[loaded.tag.adapter_id]:
+        if self.runs(loaded.tag):
             self._retired[loaded.tag.adapter_id] = loaded
         else:
             self._let_go(loaded.tag)
@@ -75,6 +75,10 @@ class LoraManager:
     def host_bytes(self) -> int:
         """Bytes of adapter weights held on the host (loaded ones, and unloaded ones still running)."""
         return sum(loaded.adapter.nbytes for loaded in [*self._loaded.values(), *self._retired.values()])
+
+    def runs(self, tag: AdapterTag) -> bool:
+        """Whether an unfinished request runs this adapter."""
+        return self._users[tag.adapter_id] > 0
 
     def acquire(self, tag: AdapterTag) -> None:
         """A request of this adapter was queued."""
