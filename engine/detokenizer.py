@@ -44,6 +44,7 @@ class StopStringFilter:
 
     def __init__(self, stop: tuple[str, ...]) -> None:
         self.stop = stop
+        self.matched: str | None = None  # the stop string that ended the text (the first to begin, on a tie)
         self._held = ""
 
     def push(self, new_text: str, can_stop: bool) -> tuple[str, bool]:
@@ -56,8 +57,9 @@ class StopStringFilter:
             return new_text, False
         pending = self._held + new_text
         if can_stop:
-            stop_at = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
-            if stop_at >= 0:
+            found = [(index, stop) for stop in self.stop if (index := pending.find(stop)) >= 0]
+            if found:
+                stop_at, self.matched = min(found, key=lambda item: item[0])
                 self._held = ""
                 return pending[:stop_at], True
         num_held = self._num_pending_chars(pending)

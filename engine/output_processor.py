@@ -34,7 +34,8 @@ class _RequestState:
         if self.params.logprobs is not None:
             logprobs, self.held_logprobs = self.held_logprobs, []
         reason = None if finish_reason is None else finish_reason.value
-        delta = RequestDelta(request_id, self.held_token_ids, text, logprobs, reason, self.prompt_logprobs)
+        stop_string = self.stop_filter.matched if finish_reason is not None else None
+        delta = RequestDelta(request_id, self.held_token_ids, text, logprobs, reason, self.prompt_logprobs, stop_string)
         self.held_token_ids, self.prompt_logprobs = [], None
         return delta
 

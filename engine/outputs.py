@@ -31,6 +31,7 @@ class RequestDelta:
     finish_reason: str | None  # "stop", "length" or "abort" on the last delta
     # Once, on the first delta after the prompt is prefilled, if asked for: None for the first token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_string: str | None = None  # on the last delta, the stop string that ended the output (not in `text`)
 
     @property
     def finished(self) -> bool:
@@ -50,6 +51,7 @@ class RequestDelta:
             logprobs=logprobs,
             finish_reason=last.finish_reason,
             prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+            stop_string=last.stop_string,
         )
 
 

@@ -26,6 +26,7 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: RequestDelta) -> None:
@@ -37,6 +38,7 @@ class Choice:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason
+        self.stop_string = delta.stop_string
 
     def drop_output(self) -> None:
         """Forget the generated tokens (a request that only scores its prompt generates one, not returned)."""

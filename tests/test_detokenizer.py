@@ -163,3 +163,14 @@ def test_before_min_tokens_a_stop_string_is_plain_text_though_its_start_is_still
     assert stop_filter.push("nd", can_stop=False) == ("end", False)  # whole, but not allowed to stop yet
     assert stop_filter.push(" e", can_stop=True) == (" ", False)
     assert stop_filter.push("nd", can_stop=True) == ("", True)
+
+
+def test_the_stop_string_that_ended_the_text_is_named():
+    stop_filter = StopStringFilter(("o w", "world", "Hello there"))
+    assert stop_filter.matched is None
+    assert stop_filter.push("Hello world", can_stop=True) == ("Hell", True)
+    assert stop_filter.matched == "o w"  # begins first, though "world" is listed after it and also matches
+    late = StopStringFilter(("end",))
+    late.push("the e", can_stop=False)
+    late.push("nd", can_stop=False)
+    assert late.matched is None  # whole, but not allowed to stop yet
