@@ -36,6 +36,9 @@ from kvserve.server.protocol import (
     now_s,
 )
 from kvserve.server.request_limits import BodySizeLimit, HeaderLimits
+from kvserve.server.response_store import ResponseStore
+from kvserve.server.responses import create_response
+from kvserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 
 
 def kvserve_version() -> str:
@@ -145,6 +148,31 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=authorized, responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
+
+    response_store = ResponseStore(ctx.settings.responses_store_max_entries, ctx.settings.responses_store_ttl_s)
+
+    @app.post("/v1/responses", dependencies=authorized, responses=generation_responses(ResponseObject))
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(body, request, ctx, response_store)
+
+    def stored_response(response_id: str) -> dict:
+        stored = response_store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r} (never stored, expired, or deleted)",
+                           type="not_found_error", param="response_id")  # fmt: skip
+        return stored.response
+
+    @app.get("/v1/responses/{response_id}", dependencies=authorized, response_model=ResponseObject,
+             responses=error_responses(401, 404))  # fmt: skip
+    async def get_response(response_id: str):
+        return stored_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=authorized, response_model=DeletedResponse,
+                responses=error_responses(401, 404))  # fmt: skip
+    async def delete_response(response_id: str):
+        stored_response(response_id)
+        response_store.delete(response_id)
+        return DeletedResponse(id=response_id)
 
     @app.get(
         "/v1/engine/state", dependencies=authorized, response_model=EngineStateResponse,

@@ -36,7 +36,7 @@ from kvserve.server.protocol import (
 from kvserve.server.structured_outputs import grammar_of
 from kvserve.server.supported_fields import check_chat_fields
 from kvserve.server.tool_calling import ToolPlan, plan_tools
-from kvserve.server.tool_parsers import ParsedOutput, ToolCallDelta
+from kvserve.server.tool_parsers import ToolCallDelta
 
 
 def chat_prompt(
@@ -92,25 +92,7 @@ def _arguments(arguments: str, param: str) -> dict:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
     ctx.check_known_fields(body)
-    lora = ctx.lora_of(body.model)
-    check_chat_fields(body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        # Checked here, as the engine would name its own field, `logprobs`.
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
-    tool_plan = plan_tools(body, ctx.settings.tool_call_parser)
-    grammar = grammar_of(body)
-    if tool_plan.grammar is not None and grammar is not None:
-        raise bad_request("a forced tool call cannot be combined with response_format", param="tool_choice")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
-    prompt = chat_prompt(body.messages, body.add_generation_prompt, tool_plan.template_tools)
-    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt, lora)
-    generation = await Generation.start(
-        ctx.engine, engine_request, random_id("chatcmpl"), ctx.count_disconnect, ctx.response_model(lora)
-    )
+    generation, tool_plan = await start_chat(body, ctx, random_id("chatcmpl"))
     if body.stream:
         chunks = _stream_chunks(body, ctx, generation, tool_plan)
         return StreamingResponse(sse_stream(chunks, generation), media_type="text/event-stream")
@@ -131,19 +113,42 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return JSONResponse(payload)
 
 
+async def start_chat(body: ChatCompletionRequest, ctx: ServerContext, request_id: str) -> tuple[Generation, ToolPlan]:
+    """Check a chat request (or another protocol's, translated into one) and queue it in the engine: the requests
+    and the plan that reads tool calls back out of their output."""
+    lora = ctx.lora_of(body.model)
+    check_chat_fields(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        # Checked here, as the engine would name its own field, `logprobs`.
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
+    tool_plan = plan_tools(body, ctx.settings.tool_call_parser)
+    grammar = grammar_of(body)
+    if tool_plan.grammar is not None and grammar is not None:
+        raise bad_request("a forced tool call cannot be combined with response_format", param="tool_choice")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
+    prompt = chat_prompt(body.messages, body.add_generation_prompt, tool_plan.template_tools)
+    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt, lora)
+    generation = await Generation.start(
+        ctx.engine, engine_request, request_id, ctx.count_disconnect, ctx.response_model(lora)
+    )
+    return generation, tool_plan
+
+
 def _choice(choice: Choice, tool_plan: ToolPlan) -> ChatChoice:
-    parsed = ParsedOutput(choice.text, [])
-    if tool_plan.parser is not None:
-        parsed = tool_plan.parser.parse(choice.text)
-    calls = parsed.tool_calls[: tool_plan.max_calls]
+    parsed = tool_plan.parse(choice.text)
+    calls = parsed.tool_calls
     message = ChatResponseMessage(
-        content=parsed.content if calls else choice.text,
+        content=parsed.content,
         tool_calls=[ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in calls]
         or None,
     )
     return ChatChoice(
         index=choice.index, message=message, finish_reason=_finish_reason(choice.finish_reason, bool(calls)),
-        logprobs=_logprobs(choice.logprobs) if choice.logprobs is not None else None,
+        logprobs=chat_logprobs(choice.logprobs) if choice.logprobs is not None else None,
     )  # fmt: skip
 
 
@@ -158,24 +163,17 @@ async def _stream_chunks(
         return ChatCompletionChunk(id=generation.request_id, created=generation.created, model=generation.model,
                                    choices=choices, usage=usage)  # fmt: skip
 
-    parsers = {choice.index: tool_plan.parser.streaming() for choice in generation.choices if tool_plan.parser}
+    readers = {choice.index: tool_plan.reader() for choice in generation.choices}
     called_tools: set[int] = set()
     for choice in generation.choices:
         yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
     async for choice, delta in generation.updates():
-        content, calls = delta.text, []
-        parser = parsers.get(choice.index)
-        if parser is not None:
-            content, calls = parser.feed(delta.text)
-            if delta.finished:
-                more_content, more_calls = parser.finish()
-                content, calls = content + more_content, calls + more_calls
-            calls = [call for call in calls if tool_plan.max_calls is None or call.index < tool_plan.max_calls]
+        content, calls = readers[choice.index].feed(delta.text, delta.finished)
         if calls:
             called_tools.add(choice.index)
         message = ChatDelta(content=content or None, tool_calls=[_call_delta(call) for call in calls] or None)
         finish_reason = _finish_reason(delta.finish_reason, choice.index in called_tools)
-        logprobs = _logprobs(delta.logprobs) if delta.logprobs is not None else None
+        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs is not None else None
         yield chunk([ChatChunkChoice(index=choice.index, delta=message, logprobs=logprobs,
                                      finish_reason=finish_reason)])  # fmt: skip
     if body.stream_options is not None and body.stream_options.include_usage:
@@ -189,7 +187,7 @@ def _call_delta(call: ToolCallDelta) -> ToolCallDeltaOut:
     return ToolCallDeltaOut(index=call.index, id=call.id, type="function", function=function)
 
 
-def _logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
     def top(token: str, logprob: float) -> TopLogprob:
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 

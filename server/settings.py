@@ -56,6 +56,10 @@ class _ServerOnlySettings(BaseModel):
     engine_stall_timeout_s: float = Field(
         60.0, gt=0, description="/health turns 503 when requests wait and no model step has ended for this long"
     )
+    responses_store_max_entries: int = Field(
+        1024, ge=0, description="responses kept for previous_response_id and GET /v1/responses/{id} (oldest dropped)"
+    )
+    responses_store_ttl_s: float = Field(3600.0, gt=0, description="how long a stored response is kept")
     allow_runtime_lora_updating: bool = Field(
         False, description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read server paths)"
     )

@@ -35,6 +35,35 @@ class ToolPlan:
     parser: "ToolCallParser | None"  # None: the output is content only
     max_calls: int | None  # 1 with parallel_tool_calls false
 
+    def parse(self, text: str) -> ParsedOutput:
+        """A finished output's tool calls (at most `max_calls`) and the content beside them; all of it is content
+        when there is no parser or no call."""
+        if self.parser is None:
+            return ParsedOutput(text, [])
+        parsed = self.parser.parse(text)
+        calls = parsed.tool_calls[: self.max_calls]
+        return ParsedOutput(parsed.content if calls else text, calls)
+
+    def reader(self) -> "ToolCallReader":
+        return ToolCallReader(self)
+
+
+class ToolCallReader:
+    """One streamed output split into content and tool-call deltas as it arrives (calls past `max_calls` dropped)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.max_calls = plan.max_calls
+        self.parser = plan.parser.streaming() if plan.parser is not None else None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        if self.parser is None:
+            return text, []
+        content, calls = self.parser.feed(text)
+        if finished:
+            more_content, more_calls = self.parser.finish()
+            content, calls = content + more_content, calls + more_calls
+        return content, [call for call in calls if self.max_calls is None or call.index < self.max_calls]
+
 
 def plan_tools(body: ChatCompletionRequest, configured_parser: str | None) -> ToolPlan:
     tools = body.tools or []
