@@ -11,12 +11,20 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.kvcache import AdapterTag
+from kvserve.server.anthropic_protocol import (
+    AnthropicError,
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.console import ConsoleFiles
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import HANDLED_ERRORS, APIError, handle_exception
 from kvserve.server.lora_routes import add_lora_routes
+from kvserve.server.messages import count_tokens, create_message
 from kvserve.server.metrics import CountHTTPRequests
 from kvserve.server.openapi_docs import TEXT, document_streams, error_responses, generation_responses
 from kvserve.server.protocol import (
@@ -95,9 +103,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
         expected = ctx.settings.api_key
         if expected is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+        # OpenAI's clients send the key as a bearer token, Anthropic's in x-api-key: either is taken, on every route.
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.encode(), expected.encode()):
             raise APIError(401, "missing or invalid API key", type="authentication_error", code="invalid_api_key")
 
     authorized = [Depends(require_api_key)]
@@ -148,6 +158,16 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=authorized, responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
+
+    @app.post("/v1/messages", dependencies=authorized,
+              responses=generation_responses(MessageResponse, error_model=AnthropicError))  # fmt: skip
+    async def messages(body: MessagesRequest, request: Request):
+        return await create_message(body, request, ctx)
+
+    @app.post("/v1/messages/count_tokens", dependencies=authorized, response_model=TokenCount,
+              responses=error_responses(400, 401, 404, error_model=AnthropicError))  # fmt: skip
+    async def messages_count_tokens(body: CountTokensRequest):
+        return await count_tokens(body, ctx)
 
     response_store = ResponseStore(ctx.settings.responses_store_max_entries, ctx.settings.responses_store_ttl_s)
 

@@ -104,6 +104,23 @@ HANDLED_ERRORS = (
 )  # fmt: skip
 
 
+# Anthropic's error types by status (its API names no parameter: the message begins with it).
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}  # fmt: skip
+ANTHROPIC_ROUTES = "/v1/messages"
+
+
+def anthropic_error(error: APIError) -> dict:
+    """An error in the shape of Anthropic's API, for its routes."""
+    message = error.message
+    if error.param is not None and error.param not in message:
+        message = f"{error.param}: {message}"
+    kind = _ANTHROPIC_ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 async def handle_exception(request: Request, error: Exception) -> JSONResponse:
     api_error = to_api_error(error)
     if api_error.status == 500:
@@ -113,4 +130,6 @@ async def handle_exception(request: Request, error: Exception) -> JSONResponse:
     rejected_reason = {400: "validation", 429: "overload"}.get(api_error.status)
     if rejected_reason is not None:
         request.app.state.ctx.metrics.requests_rejected[rejected_reason].inc()
+    if request.url.path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(anthropic_error(api_error), status_code=api_error.status, headers=api_error.headers)
     return api_error.response()

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -137,3 +138,16 @@ async def sse_stream(chunks: AsyncIterator[BaseModel], generation: Generation) -
     finally:
         generation.abort()
     yield sse("[DONE]")
+
+
+async def event_stream(events: AsyncIterator[dict], generation: Generation) -> AsyncIterator[str]:
+    """Server-sent events as the Responses and Anthropic APIs frame them: each with an `event:` line naming its
+    `type`, no [DONE] at the end. A client that goes away aborts the request and is counted, as in `sse_stream`."""
+    try:
+        async for payload in events:
+            yield f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
+    except asyncio.CancelledError:
+        generation.on_disconnect()
+        raise
+    finally:
+        generation.abort()

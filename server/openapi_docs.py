@@ -25,14 +25,15 @@ _ERROR_DESCRIPTIONS = {
 _STREAMED_CHUNKS = {"/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk}
 
 
-def error_responses(*statuses: int) -> dict:
+def error_responses(*statuses: int, error_model: type = ErrorResponse) -> dict:
+    """`error_model`: the shape of the route's errors (OpenAI's; Anthropic's on its routes)."""
     documented = (*statuses, 500, 503, "4XX")
-    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in documented}
+    return {status: {"model": error_model, "description": _ERROR_DESCRIPTIONS[status]} for status in documented}
 
 
-def generation_responses(response_model: type) -> dict:
-    """A completions or chat route: the response model, or with `stream` an event stream (see `document_streams`)."""
-    return {200: {"model": response_model}, **error_responses(400, 401, 404, 429)}
+def generation_responses(response_model: type, error_model: type = ErrorResponse) -> dict:
+    """A generation route: the response model, or with `stream` an event stream (see `document_streams`)."""
+    return {200: {"model": response_model}, **error_responses(400, 401, 404, 429, error_model=error_model)}
 
 
 def document_streams(app: FastAPI) -> None:

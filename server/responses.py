@@ -7,11 +7,9 @@ Built-in tools (web search, file search, computer use, ...), background runs, co
 reasoning are refused by name; so is every input item or content part other than text and function calls.
 """
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
@@ -22,7 +20,7 @@ from kvserve.engine import InvalidRequestError
 from kvserve.server.chat import chat_logprobs, start_chat
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, to_api_error
-from kvserve.server.generation import Choice, Generation
+from kvserve.server.generation import Choice, Generation, event_stream
 from kvserve.server.protocol import ChatCompletionRequest, now_s, random_id
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.responses_protocol import (
@@ -85,7 +83,9 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: ServerC
         tool_plan = dataclasses.replace(tool_plan, max_calls=max_calls)
     draft = _ResponseDraft(body, generation, conversation)
     if body.stream:
-        return StreamingResponse(_sse(_events(draft, tool_plan, store), generation), media_type="text/event-stream")
+        return StreamingResponse(
+            event_stream(_events(draft, tool_plan, store), generation), media_type="text/event-stream"
+        )
     await generation.run_to_end(request)
     choice = generation.choices[0]
     parsed = tool_plan.parse(choice.text)
@@ -394,16 +394,3 @@ def _close(
         yield event("response.function_call_arguments.done", item_id=item.id, output_index=output_index,
                     arguments=item.arguments)  # fmt: skip
     yield event("response.output_item.done", output_index=output_index, item=item.model_dump())
-
-
-async def _sse(events: AsyncIterator[dict], generation: Generation) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI frames them for Responses: each with its `event:` line, no [DONE] at the end.
-    A client that goes away aborts the request and is counted, as in chat."""
-    try:
-        async for payload in events:
-            yield f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
-    except asyncio.CancelledError:
-        generation.on_disconnect()
-        raise
-    finally:
-        generation.abort()
