@@ -126,8 +126,10 @@ def _check_fields(body: ResponsesRequest) -> None:
             'truncation "auto" (dropping the oldest turns to fit) is not supported; too long an input is a 400',
             param="truncation",
         )  # fmt: skip
-    if body.reasoning is not None and body.reasoning.model_dump(exclude_none=True) not in ({}, {"effort": "none"}):
-        raise bad_request("this model does not reason: `reasoning` is not supported", param="reasoning")
+    # A summary of the reasoning is asked for by agents on every turn (Codex CLI): with no reasoning, there is none.
+    if body.reasoning is not None and body.reasoning.effort not in (None, "none"):
+        message = "this model does not reason: only reasoning effort 'none' is served"
+        raise bad_request(message, param="reasoning.effort")
     if body.text is not None and body.text.verbosity is not None:
         raise bad_request("`text.verbosity` is not supported", param="text.verbosity")
     if body.stream_options is not None and body.stream_options.include_obfuscation:

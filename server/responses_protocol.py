@@ -117,6 +117,7 @@ class ResponsesRequest(RequestModel):
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    client_metadata: dict[str, str] | None = None  # the Codex CLI's turn ids, for the client's own logs: not kept
     include: list[str] | None = None
     reasoning: Reasoning | None = None
     truncation: Literal["auto", "disabled"] | None = None

@@ -226,11 +226,11 @@ REFUSED = {
     "background": True, "background_options": {"x": 1}, "conversation": "conv_1", "prompt": {"id": "pmpt_1"},
     "moderation": {"model": "omni"}, "image": {"size": "1024x1024"}, "access_programs": {"x": 1},
     "context_management": [{"type": "compaction"}], "prompt_cache_options": {"ttl": "1h"},
-    "prompt_cache_retention": "24h", "reasoning": {"effort": "high"}, "truncation": "auto",
+    "prompt_cache_retention": "24h", "reasoning": {"effort": "high", "summary": "auto"}, "truncation": "auto",
     "service_tier": "flex", "include": ["file_search_call.results"], "text": {"verbosity": "low"},
     "stream_options": {"include_obfuscation": False},
 }  # fmt: skip
-REFUSED_PARAMS = {"include": "include.0", "text": "text.verbosity"}
+REFUSED_PARAMS = {"include": "include.0", "text": "text.verbosity", "reasoning": "reasoning.effort"}
 
 
 @pytest.mark.parametrize(("field", "value"), REFUSED.items(), ids=list(REFUSED))
@@ -241,7 +241,7 @@ def test_fields_kvserve_does_not_serve_are_refused_by_name(live, field, value):
 
 
 SERVED = {"store": False, "service_tier": "auto", "user": "u", "safety_identifier": "s", "prompt_cache_key": "k",
-          "metadata": {"a": "b"}, "truncation": "disabled", "reasoning": {"effort": "none"},
+          "metadata": {"a": "b"}, "truncation": "disabled", "reasoning": {"effort": "none", "summary": "auto"},
           "parallel_tool_calls": True, "include": ["reasoning.encrypted_content"], "background": False}  # fmt: skip
 
 
