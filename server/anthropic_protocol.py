@@ -140,6 +140,7 @@ class MessagesRequest(CountTokensRequest):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
 

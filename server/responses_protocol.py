@@ -142,6 +142,7 @@ class ResponsesRequest(RequestModel):
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
+    ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
 

@@ -66,7 +66,9 @@ def test_token_totals_are_exact_and_match_the_servers_counters(server, tiny_chec
 @pytest.mark.parametrize(("endpoint", "file_name", "content"), [
     ("chat", "prompts.jsonl", '{"prompt": "What is a token?"}\n{"prompt": "Tell me about caches."}\n'),
     ("completions", "prompts.txt", "Once upon a time\n\nThe cache is cut into blocks\nwhat is a token\n"),
-], ids=["chat-jsonl", "completions-txt"])  # fmt: skip
+    ("/v1/responses", "prompts.txt", "Once upon a time\nwhat is a token\n"),
+    ("/v1/messages", "prompts.txt", "Once upon a time\nwhat is a token\n"),
+], ids=["chat-jsonl", "completions-txt", "responses-txt", "messages-txt"])  # fmt: skip
 def test_file_prompts_on_either_endpoint(server, tmp_path, endpoint, file_name, content):
     (tmp_path / file_name).write_text(content)
     prompt_before, generated_before = counters(server)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvserve.server.bench.client import list_models
 from kvserve.server.bench.config import BenchConfig, auth_headers
+from kvserve.server.bench.endpoints import ENDPOINT_PATHS
 from kvserve.server.bench.errors import BenchError
 from kvserve.server.bench.report import write_report
 from kvserve.server.bench.results import write_json
@@ -36,8 +37,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     target = bench.add_argument_group("target")
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1 (%(default)s)")
     target.add_argument("--model", help="model to ask for (default: the first id from GET /v1/models)")
-    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                        help="/v1/completions or /v1/chat/completions (%(default)s)")  # fmt: skip
+    target.add_argument("--endpoint", type=_endpoint, default="completions", metavar="ENDPOINT",
+                        help="completions, chat, responses or messages, or its path: /v1/completions, "
+                             "/v1/chat/completions, /v1/responses (OpenAI's Responses), /v1/messages (Anthropic's) "
+                             "(%(default)s)")  # fmt: skip
     target.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY, if set)")
     target.add_argument("--timeout-s", type=_positive(float), default=300.0,
                         help="give up on a request after this many seconds (%(default)s)")  # fmt: skip
@@ -143,6 +146,15 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
     return parse
+
+
+def _endpoint(text: str) -> str:
+    """An endpoint's name, or its path (as vllm bench serve's --endpoint takes it)."""
+    by_path = {path: name for name, path in ENDPOINT_PATHS.items()}
+    name = by_path.get(text, text)
+    if name not in ENDPOINT_PATHS:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(ENDPOINT_PATHS)} or their paths, not {text}")
+    return name
 
 
 def _ratio(text: str) -> float:

@@ -1,7 +1,7 @@
 """The HTTP side of the bench: the model list check before a run, and one streamed request with its timings.
 
-Token counts come from the `usage` chunk the server sends at the end of the stream (`stream_options.include_usage`),
-so they are exact whatever the tokenizer; the times come from when each chunk carrying generated tokens arrives.
+Token counts come from the usage the server reports in the stream (server/bench/endpoints.py says where each API puts
+it), so they are exact whatever the tokenizer; the times come from when each event carrying generated tokens arrives.
 """
 
 import asyncio
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvserve.server.bench.config import BenchConfig
+from kvserve.server.bench.endpoints import read_event, request_body
 from kvserve.server.bench.errors import BenchError
 from kvserve.server.bench.workload import BenchRequest
 
@@ -78,18 +79,6 @@ async def list_models(client: httpx.AsyncClient, base_url: str, headers: dict[st
     return ids
 
 
-def request_body(config: BenchConfig, request: BenchRequest) -> dict:
-    body = {"model": config.model, "max_tokens": request.output_len, "temperature": config.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if config.ignore_eos:
-        body["ignore_eos"] = True  # vLLM's extra field, which kvserve takes too
-    if config.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
-    else:
-        body["prompt"] = request.prompt
-    return body
-
-
 async def send_request(
     client: httpx.AsyncClient, config: BenchConfig, index: int, request: BenchRequest, run_start_s: float
 ) -> RequestRecord:
@@ -106,13 +95,12 @@ async def send_request(
     end_s = time.perf_counter() - run_start_s
     if error is None and not stream.chunk_times_s:
         error = "the stream ended without generated tokens"
-    if error is None and stream.usage is None:
-        error = "the stream has no usage chunk: the server ignores stream_options.include_usage"
-    usage = stream.usage or {}
+    if error is None and stream.output_tokens is None:
+        error = "the stream reports no usage (with completions and chat: the server ignores stream_options)"
     return RequestRecord(
         index=index, output_len=request.output_len, start_s=start_s, end_s=end_s,
-        chunk_times_s=tuple(stream.chunk_times_s), prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens") or 0), error=error,
+        chunk_times_s=tuple(stream.chunk_times_s), prompt_tokens=stream.prompt_tokens or 0,
+        output_tokens=stream.output_tokens or 0, error=error,
     )  # fmt: skip
 
 
@@ -121,7 +109,8 @@ class _Stream:
     """What a stream has delivered so far."""
 
     chunk_times_s: list[float] = field(default_factory=list)
-    usage: dict | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
     started: bool = False  # a response's status line came
 
 
@@ -143,7 +132,8 @@ async def _stream(
     client: httpx.AsyncClient, config: BenchConfig, request: BenchRequest, stream: _Stream, run_start_s: float
 ) -> str | None:
     """Read one response into `stream`; the error message, or None when it ended well."""
-    body = request_body(config, request)
+    body = request_body(config.endpoint, config.model, request.prompt, request.output_len, config.temperature,
+                        config.ignore_eos)  # fmt: skip
     async with client.stream("POST", config.request_url, json=body, headers=config.headers) as response:
         stream.started = True
         if response.status_code != 200:
@@ -161,23 +151,14 @@ async def _stream(
                 chunk = None
             if not isinstance(chunk, dict):
                 return f"a stream chunk is not a JSON object: {payload[:MAX_ERROR_CHARS]!r}"
-            if "error" in chunk:
-                return f"error in the stream: {_error_text(chunk)}"
-            if _carries_tokens(chunk):
+            event = read_event(config.endpoint, chunk)
+            if event.error is not None:
+                return f"error in the stream: {_error_text(event.error)}"
+            if event.carries_tokens:
                 stream.chunk_times_s.append(time.perf_counter() - run_start_s)
-            if chunk.get("usage"):
-                stream.usage = chunk["usage"]
+            stream.prompt_tokens = event.prompt_tokens if event.prompt_tokens is not None else stream.prompt_tokens
+            stream.output_tokens = event.output_tokens if event.output_tokens is not None else stream.output_tokens
     return None  # without [DONE] too: what counts is that tokens and the usage came
-
-
-def _carries_tokens(chunk: dict) -> bool:
-    """Completions chunks each carry a step's tokens (the text may be empty while a character is incomplete);
-    a chat stream opens with a delta that only names the role, which is no token yet."""
-    choices = chunk.get("choices") or []
-    if not choices:
-        return False
-    delta = choices[0].get("delta")
-    return delta is None or not ("role" in delta and not delta.get("content"))
 
 
 def server_message(response: httpx.Response) -> str:

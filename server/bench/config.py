@@ -1,10 +1,8 @@
 """What one benchmark run sends and where: the target, the request fields and the pacing, after the flags."""
 
 from dataclasses import asdict, dataclass
-from typing import Literal
 
-Endpoint = Literal["completions", "chat"]
-ENDPOINT_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+from kvserve.server.bench.endpoints import ENDPOINT_PATHS, Endpoint
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,10 @@ class BenchConfig:
 
     @property
     def headers(self) -> dict[str, str]:
-        return auth_headers(self.api_key)
+        headers = auth_headers(self.api_key)
+        if self.api_key and self.endpoint == "messages":
+            headers["x-api-key"] = self.api_key  # Anthropic's header, which servers of its API may want instead
+        return headers
 
     def public_dict(self) -> dict:
         """The settings for result files: everything but the API key, which must not land on disk."""
