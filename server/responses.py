@@ -20,7 +20,7 @@ from kvserve.engine import InvalidRequestError
 from kvserve.server.chat import chat_logprobs, start_chat
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, bad_request, to_api_error
-from kvserve.server.generation import Choice, Generation, event_stream
+from kvserve.server.generation import Generation, event_stream
 from kvserve.server.protocol import ChatCompletionRequest, now_s, random_id
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.responses_protocol import (
@@ -89,7 +89,9 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: ServerC
     await generation.run_to_end(request)
     choice = generation.choices[0]
     parsed = tool_plan.parse(choice.text)
-    draft.add_text(parsed.content or "", choice)
+    if parsed.content:
+        logprobs = chat_logprobs(choice.logprobs).content if draft.wants_logprobs and choice.logprobs else []
+        draft.add_message(parsed.content, [entry.model_dump() for entry in logprobs])
     for call in parsed.tool_calls:
         draft.add_call(call)
     response = draft.finish(choice.finish_reason)
@@ -280,12 +282,9 @@ class _ResponseDraft:
             user=body.user, metadata=body.metadata or {},
         )  # fmt: skip
 
-    def add_text(self, text: str, choice: Choice) -> OutputMessage | None:
-        if not text:
-            return None
-        logprobs = [entry.model_dump() for entry in chat_logprobs(choice.logprobs or []).content]
-        part = OutputText(text=text, logprobs=logprobs if self.wants_logprobs else [])
-        message = OutputMessage(id=random_id("msg"), status="completed", content=[part])
+    def add_message(self, text: str, logprobs: list[dict]) -> OutputMessage:
+        message = OutputMessage(id=random_id("msg"), status="completed",
+                                content=[OutputText(text=text, logprobs=logprobs)])  # fmt: skip
         self.output.append(message)
         return message
 
@@ -332,29 +331,31 @@ async def _events(draft: _ResponseDraft, tool_plan: ToolPlan, store: ResponseSto
     yield event("response.in_progress", response=draft.response("in_progress").model_dump())
     reader = tool_plan.reader()
     open_item: OutputMessage | FunctionCallItem | None = None
+    pending_logprobs: list[dict] = []
     finish_reason = None
     try:
-        async for choice, delta in generation.updates():
+        async for _, delta in generation.updates():
             content, calls = reader.feed(delta.text, delta.finished)
-            if content:
+            if draft.wants_logprobs and content == delta.text and delta.logprobs:
+                # Tokens whose text is empty (held back, or a skipped special token) send their logprobs with the
+                # next text, or alone once the message is open, so the stream carries every token's.
+                pending_logprobs += [entry.model_dump() for entry in chat_logprobs(delta.logprobs).content]
+            if content or (pending_logprobs and isinstance(open_item, OutputMessage)):
                 if not isinstance(open_item, OutputMessage):
                     for closing in _close(open_item, event, len(draft.output) - 1):
                         yield closing
-                    open_item = draft.add_text(content, choice)
+                    open_item = draft.add_message("", [])
                     open_item.status = "in_progress"
-                    open_item.content[0].text = ""
                     yield event("response.output_item.added", output_index=len(draft.output) - 1,
                                 item={**open_item.model_dump(), "content": []})  # fmt: skip
                     yield event("response.content_part.added", item_id=open_item.id, output_index=len(draft.output) - 1,
                                 content_index=0, part=OutputText(text="").model_dump())  # fmt: skip
                 part = open_item.content[0]
                 part.text += content
-                logprobs = []
-                if draft.wants_logprobs and content == delta.text and delta.logprobs:
-                    logprobs = [entry.model_dump() for entry in chat_logprobs(delta.logprobs).content]
-                    part.logprobs += logprobs
+                part.logprobs += pending_logprobs
                 yield event("response.output_text.delta", item_id=open_item.id, output_index=len(draft.output) - 1,
-                            content_index=0, delta=content, logprobs=logprobs)  # fmt: skip
+                            content_index=0, delta=content, logprobs=pending_logprobs)  # fmt: skip
+                pending_logprobs = []
             for call in calls:
                 if call.id is not None:
                     for closing in _close(open_item, event, len(draft.output) - 1):

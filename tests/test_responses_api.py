@@ -185,6 +185,11 @@ def test_logprobs_come_with_include(client):
     assert [[t.token for t in e.top_logprobs] for e in logprobs] == [
         [t.token for t in e.top_logprobs] for e in expected
     ]
+    events = list(client.responses.create(model=TINY_MODEL, input=PROMPT, include=["message.output_text.logprobs"],
+                                          top_logprobs=2, stream=True, **GREEDY))  # fmt: skip
+    streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [e.token for e in streamed] == [e.token for e in final] == [e.token for e in expected]
 
 
 def test_stored_responses_are_got_deleted_and_not_kept_with_store_false(client, live):
