@@ -1,6 +1,9 @@
-"""Every error the server returns, in the OpenAI shape, mapped from exceptions in one place."""
+"""Every error the server returns, in the OpenAI shape (Anthropic's on its routes), mapped from exceptions in one
+place."""
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -39,6 +42,22 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+@contextlib.contextmanager
+def renamed_params(renames: dict[str, str]) -> Iterator[None]:
+    """Errors of the request another protocol became, naming the fields the client sent (the longest renamed prefix
+    of the param is replaced)."""
+    try:
+        yield
+    except (APIError, InvalidRequestError) as error:
+        api_error = to_api_error(error)
+        if api_error.param is not None:
+            for name in sorted(renames, key=len, reverse=True):
+                if api_error.param == name or api_error.param.startswith(name + "."):
+                    api_error.param = renames[name] + api_error.param[len(name) :]
+                    break
+        raise api_error from None
 
 
 def to_api_error(error: Exception) -> APIError:

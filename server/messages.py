@@ -27,10 +27,9 @@ from kvserve.server.anthropic_protocol import (
 )
 from kvserve.server.chat import chat_prompt, start_chat
 from kvserve.server.context import ServerContext
-from kvserve.server.errors import anthropic_error, bad_request, to_api_error
+from kvserve.server.errors import anthropic_error, bad_request, renamed_params, to_api_error
 from kvserve.server.generation import Generation, event_stream
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.responses import renamed_params
 from kvserve.server.tool_calling import ToolPlan
 from kvserve.server.tool_parsers import ToolCall
 

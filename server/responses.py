@@ -7,7 +7,6 @@ Built-in tools (web search, file search, computer use, ...), background runs, co
 reasoning are refused by name; so is every input item or content part other than text and function calls.
 """
 
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Iterator
@@ -16,10 +15,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from kvserve.engine import InvalidRequestError
 from kvserve.server.chat import chat_logprobs, start_chat
 from kvserve.server.context import ServerContext
-from kvserve.server.errors import APIError, bad_request, to_api_error
+from kvserve.server.errors import bad_request, renamed_params, to_api_error
 from kvserve.server.generation import Generation, event_stream
 from kvserve.server.protocol import ChatCompletionRequest, now_s, random_id
 from kvserve.server.response_store import ResponseStore
@@ -97,22 +95,6 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: ServerC
     response = draft.finish(choice.finish_reason)
     draft.keep(response, store)
     return JSONResponse(response.model_dump())
-
-
-@contextlib.contextmanager
-def renamed_params(renames: dict[str, str]) -> Iterator[None]:
-    """Errors of the request another protocol became, naming the fields the client sent (the longest renamed prefix
-    of the param is replaced)."""
-    try:
-        yield
-    except (APIError, InvalidRequestError) as error:
-        api_error = to_api_error(error)
-        if api_error.param is not None:
-            for name in sorted(renames, key=len, reverse=True):
-                if api_error.param == name or api_error.param.startswith(name + "."):
-                    api_error.param = renames[name] + api_error.param[len(name) :]
-                    break
-        raise api_error from None
 
 
 def _check_fields(body: ResponsesRequest) -> None:
