@@ -41,6 +41,8 @@ class Request:
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt
     caches_blocks: bool = True  # False: its blocks are not offered to the prefix cache
     lora: AdapterTag | None = None  # the LoRA adapter it runs under; None: the base model
+    priority: int = 0  # under the priority policy, lower runs first (and is preempted last)
+    arrival_index: int = 0  # its place in the order of arrival, set by Scheduler.add
 
     @property
     def num_tokens(self) -> int:

@@ -1,17 +1,27 @@
-"""Continuous batching: FCFS admission under KV-block and token budgets, preemption by recompute.
+"""Continuous batching: admission under KV-block and token budgets, preemption by recompute.
 
 Every step schedules "N new tokens per request" in one batch: a request's uncomputed tail (the
 prompt on first run, everything again after a preemption; in chunks under the token budget when
 chunked prefill is on) or, when decoding, its one last sampled token. Decoding requests are served
-first, then unfinished prefills, each oldest first; when one cannot grow, the most recently
-admitted request is preempted (its blocks freed, put back at the front of the queue).
+first, then unfinished prefills, each oldest first; when one cannot grow, a running request is
+preempted (its blocks freed, put back in the queue): under the `fcfs` policy the most recently
+admitted one, under `priority` the one of the largest priority value (the latest arrival among equals).
+Waiting requests are admitted in the queue's order (scheduler/request_queue.py), none in a step that
+had to preempt. Under `priority` only, a waiting request that does not fit (no seat, blocks or tokens
+left) preempts the fewest running requests of a larger priority value, lowest first, that let it in,
+as vLLM's priority scheduler (v0) did; none if even all of them would not (nothing is preempted in
+vain), and never one of its own priority, which would only trade places with it. A request passed
+over for a LoRA adapter slot preempts nothing.
 """
 
-from collections import Counter, deque
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import count
 
 from kvserve.kvcache import BlockAllocator, BlockHasher, KVUsage, block_extra_keys
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
+from kvserve.scheduler.request_queue import WaitingQueue, priority_order, waiting_queue
 from kvserve.scheduler.scheduler_output import LoraRequestCounts, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 
@@ -21,7 +31,8 @@ class Scheduler:
         self.allocator = allocator
         self.block_size = block_size
         self.hasher = BlockHasher(config.block_hash_seed)
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = waiting_queue(config.policy)
+        self._arrival_indices = count()
         self.running: list[Request] = []  # in admission order, oldest first
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -40,7 +51,8 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrival_indices)
+        self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
@@ -61,27 +73,23 @@ class Scheduler:
         for request in prefilling:
             if request.status is RequestStatus.RUNNING:
                 token_budget = self._schedule_growing(request, token_budget, scheduled, preempted)
-        scheduled_items = list(scheduled.values())
         if not preempted:
-            self._admit_waiting(token_budget, scheduled_items)
+            self._admit_waiting(token_budget, scheduled, preempted)
         left_running, self._left_running = self._left_running, []
-        return SchedulerOutput(scheduled=scheduled_items, preempted=preempted, left_running=left_running)
+        return SchedulerOutput(scheduled=list(scheduled.values()), preempted=preempted, left_running=left_running)
 
     def _schedule_growing(
         self, request: Request, token_budget: int, scheduled: dict[Request, ScheduledRequest], preempted: list[Request]
     ) -> int:
-        """Schedule what of `request` fits the budget, preempting the newest requests if it needs blocks that are
-        not free; the budget left."""
+        """Schedule what of `request` fits the budget, preempting the lowest running requests if it needs blocks
+        that are not free; the budget left."""
         num_new_tokens = self._num_tokens_to_run(request.num_uncomputed_tokens, token_budget)
         if not num_new_tokens:
             return token_budget
         num_preempted_before = len(preempted)
         granted = self._grow_or_preempt(request, num_new_tokens, preempted)
-        # A newer request preempted for an older one may have been scheduled already (decodes go first): it
-        # leaves this step and gives its tokens back.
         for victim in preempted[num_preempted_before:]:
-            dropped = scheduled.pop(victim, None)
-            token_budget += dropped.num_new_tokens if dropped else 0
+            token_budget += _unschedule(victim, scheduled)
         if granted:
             scheduled[request] = ScheduledRequest.of(request, num_new_tokens)
             token_budget -= num_new_tokens
@@ -125,7 +133,7 @@ class Scheduler:
         self._left_running.append(request.request_id)
         self._release_blocks(request)
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.put_back(request)
 
     def abort(self, request_id: str) -> Request | None:
         request = self._requests.get(request_id)
@@ -170,48 +178,57 @@ class Scheduler:
         return -(-num_tokens_after // self.block_size) - len(request.block_ids)
 
     def _grow_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[Request]) -> bool:
-        """Give `request` the blocks its new tokens need, preempting the newest requests if needed.
+        """Give `request` the blocks its new tokens need, preempting the lowest running requests if needed.
 
         Returns False when `request` itself had to be preempted.
         """
         num_blocks = self._num_blocks_to_add(request, num_new_tokens)
         while self.allocator.num_free_blocks < num_blocks:
-            victim = self._preempt_newest()
+            victim = self._lowest_running()
+            self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         request.block_ids.extend(self.allocator.allocate(num_blocks))
         return True
 
-    def _admit_waiting(self, token_budget: int, scheduled: list[ScheduledRequest]) -> None:
-        passed_over: list[Request] = []  # waiting for a free adapter slot, kept in order at the front
+    def _admit_waiting(
+        self, token_budget: int, scheduled: dict[Request, ScheduledRequest], preempted: list[Request]
+    ) -> None:
+        passed_over: list[Request] = []  # waiting for a free adapter slot, kept in their places
         try:
-            self._admit_in_order(token_budget, scheduled, passed_over)
+            self._admit_in_order(token_budget, scheduled, preempted, passed_over)
         finally:
-            self.waiting.extendleft(reversed(passed_over))
+            self.waiting.put_back_all(passed_over)
 
-    def _admit_in_order(self, token_budget: int, scheduled: list[ScheduledRequest], passed_over: list[Request]) -> None:
+    def _admit_in_order(
+        self, token_budget: int, scheduled: dict[Request, ScheduledRequest], preempted: list[Request],
+        passed_over: list[Request],
+    ) -> None:  # fmt: skip
         max_loras = self.config.max_loras
+        # Not updated when a preemption below leaves an adapter unused: an adapter's request may wait a step more.
         adapters = {request.lora for request in self.running if request.lora is not None} if max_loras else set()
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        while self.waiting:
+            request = self.waiting.peek()
+            if request in preempted:  # preempted in this step: readmitting it would only recompute what it lost
+                return
             if max_loras and request.lora is not None and request.lora not in adapters and len(adapters) >= max_loras:
-                passed_over.append(self.waiting.popleft())
+                passed_over.append(self.waiting.pop())
                 continue
-            reuses_cache = self.config.enable_prefix_caching and request.reuses_cached_prefix
-            cached_block_ids = self._cached_prefix(request) if reuses_cache else []
+            admission = self._admission(request, token_budget)
+            if admission is None:
+                victims = self._victims_to_admit(request, token_budget, scheduled)
+                if not victims:
+                    return
+                for victim in victims:
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    token_budget += _unschedule(victim, scheduled)
+                admission = self._admission(request, token_budget)
+            cached_block_ids, num_new_tokens, num_blocks = admission
             num_cached_tokens = len(cached_block_ids) * self.block_size
-            num_new_tokens = self._num_tokens_to_run(request.num_tokens - num_cached_tokens, token_budget)
-            if not num_new_tokens:
-                return
-            num_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(cached_block_ids)
-            # Cached blocks nobody holds count as free until this request takes them.
-            num_taken_from_free = num_blocks + sum(self.allocator.ref_count(b) == 0 for b in cached_block_ids)
-            # The watermark keeps room for running requests to grow; an idle engine admits anyway.
-            watermark = self.config.watermark_blocks if self.running else 0
-            if self.allocator.num_free_blocks - num_taken_from_free < watermark:
-                return
-            self.waiting.popleft()
+            reuses_cache = self.config.enable_prefix_caching and request.reuses_cached_prefix
+            self.waiting.pop()
             for block_id in cached_block_ids:
                 self.allocator.take_cached(block_id)
             request.block_ids = cached_block_ids + self.allocator.allocate(num_blocks)
@@ -221,11 +238,61 @@ class Scheduler:
             self.running.append(request)
             if request.lora is not None:
                 adapters.add(request.lora)
-            scheduled.append(ScheduledRequest.of(request, num_new_tokens))
+            scheduled[request] = ScheduledRequest.of(request, num_new_tokens)
             token_budget -= num_new_tokens
             if reuses_cache:
                 self.prefix_cache_queried_tokens += request.num_tokens
                 self.prefix_cache_hit_tokens += num_cached_tokens
+
+    def _admission(
+        self, request: Request, token_budget: int, release: "_Release | None" = None
+    ) -> tuple[list[int], int, int] | None:
+        """How a waiting request would be admitted now (or once the running requests in `release` were preempted):
+        (its cached prefix's blocks, its tokens to run, the new blocks they need); None if it does not fit (no seat,
+        no tokens left in the budget, or too few free blocks)."""
+        release = release or _Release()
+        num_running = len(self.running) - release.num_requests
+        token_budget += release.num_tokens
+        if num_running >= self.config.max_num_seqs:
+            return None
+        reuses_cache = self.config.enable_prefix_caching and request.reuses_cached_prefix
+        cached_block_ids = self._cached_prefix(request) if reuses_cache else []
+        num_cached_tokens = len(cached_block_ids) * self.block_size
+        num_new_tokens = self._num_tokens_to_run(request.num_tokens - num_cached_tokens, token_budget)
+        if not num_new_tokens:
+            return None
+        num_blocks = -(-(num_cached_tokens + num_new_tokens) // self.block_size) - len(cached_block_ids)
+        # Cached blocks nobody holds count as free until this request takes them.
+        ref_count, holders = self.allocator.ref_count, release.holders
+        num_taken_from_free = num_blocks + sum(ref_count(b) == holders[b] for b in cached_block_ids)
+        # The watermark keeps room for running requests to grow; an idle engine admits anyway.
+        watermark = self.config.watermark_blocks if num_running else 0
+        if self.allocator.num_free_blocks + release.num_freed_blocks - num_taken_from_free < watermark:
+            return None
+        return cached_block_ids, num_new_tokens, num_blocks
+
+    def _victims_to_admit(
+        self, request: Request, token_budget: int, scheduled: dict[Request, ScheduledRequest]
+    ) -> list[Request]:
+        """Under the priority policy, the running requests of a larger priority value, lowest first and as few as
+        let `request` in; none if even all of them would not (nothing is preempted in vain), and none under fcfs."""
+        if self.config.policy != "priority":
+            return []
+        lower = [running for running in self.running if running.priority > request.priority]
+        lower.sort(key=priority_order, reverse=True)
+        release = _Release()
+        for num_victims, victim in enumerate(lower, start=1):
+            release.add(victim, scheduled.get(victim), self.allocator)
+            if self._admission(request, token_budget, release) is not None:
+                return lower[:num_victims]
+        return []
+
+    def _lowest_running(self) -> Request:
+        """The running request preemption takes first: the most recently admitted (fcfs), or the one of the largest
+        priority value, the latest arrival among equals (priority)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_order)
+        return self.running[-1]
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the request's longest cached prefix of full blocks.
@@ -256,18 +323,42 @@ class Scheduler:
             self.allocator.register(request.block_ids[index], request.block_keys[index])
         request.num_registered_blocks = num_full_blocks
 
-    def _preempt_newest(self) -> Request:
-        request = self.running.pop()
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
         self._left_running.append(request.request_id)
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
-        return request
+        self.waiting.put_back(request)
 
     def _release_blocks(self, request: Request) -> None:
         self.allocator.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
+
+
+@dataclass
+class _Release:
+    """What preempting some running requests would give back: their seats, the tokens they were scheduled for in
+    this step, and the blocks no other request holds."""
+
+    num_requests: int = 0
+    num_tokens: int = 0
+    holders: Counter = field(default_factory=Counter)  # block id -> how many of these requests hold it
+    num_freed_blocks: int = 0
+
+    def add(self, request: Request, scheduled: ScheduledRequest | None, allocator: BlockAllocator) -> None:
+        self.num_requests += 1
+        self.num_tokens += scheduled.num_new_tokens if scheduled else 0
+        for block_id in request.block_ids:
+            self.holders[block_id] += 1
+            self.num_freed_blocks += self.holders[block_id] == allocator.ref_count(block_id)
+
+
+def _unschedule(request: Request, scheduled: dict[Request, ScheduledRequest]) -> int:
+    """Take a preempted request out of this step if it was scheduled already (decodes go first, so a lower request
+    may have been); the tokens it gives back to the budget."""
+    dropped = scheduled.pop(request, None)
+    return dropped.num_new_tokens if dropped else 0

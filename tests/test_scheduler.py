@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvserve.kvcache import BlockAllocator
 from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.scheduler.request_queue import priority_order
 
 
 def make_scheduler(
@@ -20,19 +21,26 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
     watermark_blocks: int = 0,
+    policy: str = "fcfs",
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         watermark_blocks=watermark_blocks,
+        policy=policy,
     )
     return Scheduler(config, BlockAllocator(num_blocks), block_size)
 
 
-def add_request(scheduler: Scheduler, request_id: str, num_prompt_tokens: int) -> Request:
-    request = Request(request_id=request_id, prompt_token_ids=list(range(100, 100 + num_prompt_tokens)))
+def add_request(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, priority: int = 0) -> Request:
+    prompt_token_ids = list(range(100, 100 + num_prompt_tokens))
+    request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids, priority=priority)
     scheduler.add(request)
     return request
+
+
+def ids(requests) -> list[str]:
+    return [request.request_id for request in requests]
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -115,7 +123,7 @@ def test_growth_without_free_blocks_preempts_the_most_recently_admitted_request(
     assert c.output_token_ids == [7]  # kept: recomputed later, not sampled again
     assert c.num_preemptions == 1
     assert scheduler.num_preemptions == 1
-    assert scheduler.waiting[0] is c
+    assert scheduler.waiting.peek() is c
     assert scheduler.running == [a, b]
     assert set(c_blocks) <= set(b.block_ids)  # the freed block went to the request that grew
     assert all(scheduler.allocator.ref_count(block_id) == 1 for block_id in c_blocks)
@@ -315,6 +323,153 @@ def test_abort_of_an_unknown_or_finished_request_returns_none():
     assert scheduler.abort("a") is None
 
 
+# --- Priority scheduling --------------------------------------------------------------------------------------------
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=1, policy="priority")
+    for request_id, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", -1)]:
+        add_request(scheduler, request_id, 1, priority)
+    assert ids(scheduler.waiting) == ["e", "b", "d", "c", "a"]
+    admitted = []
+    while scheduler.num_unfinished:
+        step(scheduler)
+        running = scheduler.running[0]
+        admitted.append(running.request_id)
+        scheduler.finish(running, FinishReason.LENGTH)
+    assert admitted == ["e", "b", "d", "c", "a"]
+
+
+def test_fcfs_policy_admits_in_arrival_order_whatever_the_priority():
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=1)
+    for request_id, priority in [("a", 2), ("b", 0), ("c", 1)]:
+        add_request(scheduler, request_id, 1, priority)
+    assert ids(scheduler.waiting) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("fcfs", "c"), ("priority", "a")])
+def test_growth_without_free_blocks_preempts_the_newest_or_the_lowest_priority_request(policy, victim):
+    # As in the test above: b needs a second block and none is free. a is the oldest but of the lowest priority.
+    scheduler = make_scheduler(num_blocks=4, block_size=2, policy=policy)
+    a = add_request(scheduler, "a", 3, priority=5)
+    b = add_request(scheduler, "b", 2)
+    c = add_request(scheduler, "c", 1)
+    step(scheduler)
+    preempted = scheduler.get(victim)
+    victim_blocks = list(preempted.block_ids)
+
+    output = step(scheduler)
+
+    assert output.preempted == [preempted]
+    survivors = [request for request in (a, b, c) if request is not preempted]
+    assert scheduled_tokens(output) == {request.request_id: 1 for request in survivors}
+    assert preempted.status is RequestStatus.PREEMPTED and preempted.block_ids == []
+    assert scheduler.running == survivors
+    assert set(victim_blocks) & set(b.block_ids)  # the freed block went to the request that grew
+
+
+def test_among_equal_priorities_the_latest_arrival_is_preempted_first():
+    scheduler = make_scheduler(num_blocks=4, block_size=1, policy="priority")
+    a = add_request(scheduler, "a", 2, priority=1)
+    b = add_request(scheduler, "b", 1, priority=1)
+    c = add_request(scheduler, "c", 1)
+    step(scheduler)  # no block left; each needs one more
+    output = step(scheduler)
+    # a's growth takes b's block (b: priority 1, after a); c's growth then takes a's, the last of priority 1.
+    assert output.preempted == [b, a]
+    assert scheduler.running == [c]
+    assert list(scheduler.waiting) == [a, b]
+
+
+def test_a_waiting_request_of_higher_priority_preempts_the_lowest_running_one():
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=2, policy="priority")
+    a = add_request(scheduler, "a", 2, priority=1)
+    b = add_request(scheduler, "b", 2, priority=3)
+    step(scheduler)
+    c = add_request(scheduler, "c", 3, priority=0)
+
+    output = step(scheduler)
+
+    assert output.preempted == [b]
+    assert scheduled_tokens(output) == {"a": 1, "c": 3}  # b's decode, scheduled first, left the step
+    assert scheduler.running == [a, c]
+    assert list(scheduler.waiting) == [b]
+    assert b.status is RequestStatus.PREEMPTED and b.block_ids == [] and b.output_token_ids == [7]
+    assert scheduler.allocator.num_used_blocks == len(a.block_ids) + len(c.block_ids)
+
+
+def test_a_waiting_request_preempts_as_few_lower_requests_as_let_it_in():
+    # Four blocks free; c needs six, so the two lowest (d, then b) go, and a, also lower than c, stays.
+    scheduler = make_scheduler(num_blocks=8, block_size=2, policy="priority")
+    a = add_request(scheduler, "a", 3, priority=1)
+    b = add_request(scheduler, "b", 1, priority=2)
+    d = add_request(scheduler, "d", 1, priority=3)
+    step(scheduler)  # a: 2 blocks, b: 1, d: 1
+    c = add_request(scheduler, "c", 11, priority=0)  # 6 blocks
+
+    output = step(scheduler)
+
+    assert output.preempted == [d, b]
+    assert scheduled_tokens(output) == {"a": 1, "c": 11}
+    assert scheduler.running == [a, c] and list(scheduler.waiting) == [b, d]
+    assert scheduler.allocator.num_free_blocks == 0
+
+
+@pytest.mark.parametrize(("policy", "priority"), [("priority", 0), ("priority", 1), ("fcfs", -5)])
+def test_a_waiting_request_preempts_no_request_of_its_own_or_a_higher_priority_nor_under_fcfs(policy, priority):
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=2, policy=policy)
+    add_request(scheduler, "a", 2, priority=0)
+    add_request(scheduler, "b", 2, priority=0)
+    step(scheduler)
+    c = add_request(scheduler, "c", 2, priority=priority)
+    output = step(scheduler)
+    assert output.preempted == [] and scheduled_tokens(output) == {"a": 1, "b": 1}
+    assert list(scheduler.waiting) == [c]
+
+
+def test_nothing_is_preempted_for_a_request_that_would_not_fit_even_then():
+    # c needs 3 blocks; preempting b (lower) frees 1 and a (equal) keeps 2 of the 4: c waits and b keeps running.
+    scheduler = make_scheduler(num_blocks=4, block_size=2, policy="priority")
+    add_request(scheduler, "a", 3, priority=0)
+    add_request(scheduler, "b", 1, priority=5)
+    step(scheduler)
+    c = add_request(scheduler, "c", 6, priority=0)
+    output = step(scheduler)
+    assert output.preempted == [] and scheduled_tokens(output) == {"a": 1, "b": 1}
+    assert list(scheduler.waiting) == [c] and scheduler.num_preemptions == 0
+
+
+def test_a_request_preempted_for_another_is_not_readmitted_in_the_same_step():
+    # c takes the one seat b held; b would fit the blocks left, but only to compute again what it just lost.
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=2, policy="priority")
+    add_request(scheduler, "a", 2, priority=1)
+    b = add_request(scheduler, "b", 2, priority=3)
+    step(scheduler)
+    add_request(scheduler, "c", 2, priority=0)
+    assert step(scheduler).preempted == [b]
+    scheduler.finish(scheduler.get("a"), FinishReason.STOP)
+    assert scheduled_tokens(step(scheduler)) == {"c": 1, "b": 3}  # readmitted next step, prompt and token again
+
+
+def test_a_request_admitted_by_preemption_reuses_the_victims_cached_prefix():
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, enable_prefix_caching=True, policy="priority")
+    scheduler = Scheduler(config, BlockAllocator(4), 2)
+    low = Request("low", [1, 2, 3, 4, 5], priority=5)
+    scheduler.add(low)
+    step(scheduler)  # 3 blocks, the first two full and cached; one block free
+    prefix_blocks = low.block_ids[:2]
+    high = Request("high", [1, 2, 3, 4, 9, 9], priority=0)
+    scheduler.add(high)
+
+    output = step(scheduler)
+
+    # Its 3 blocks: the 2 cached ones low held (free once low is preempted) and 1 new: more than the 1 free block.
+    assert output.preempted == [low]
+    assert scheduled_tokens(output) == {"high": 2}
+    assert high.block_ids[:2] == prefix_blocks and high.num_computed_tokens == 6
+    assert scheduler.prefix_cache_hit_tokens == 4
+
+
 # --- Random workloads -----------------------------------------------------------------------------------------------
 
 
@@ -324,6 +479,7 @@ class PlannedRequest:
     num_output_tokens: int  # finished with LENGTH after this many sampled tokens
     arrival_step: int
     abort_delay: int | None  # steps after arrival to abort it, whatever state it is in
+    priority: int  # used under the priority policy
 
 
 @dataclass(frozen=True)
@@ -334,6 +490,7 @@ class Workload:
     max_num_batched_tokens: int
     watermark_blocks: int
     requests: list[PlannedRequest]
+    policy: str
 
 
 @st.composite
@@ -345,11 +502,12 @@ def planned_requests(draw, max_request_tokens: int) -> PlannedRequest:
         num_output_tokens=num_tokens - num_prompt_tokens,
         arrival_step=draw(st.integers(0, 6)),
         abort_delay=draw(st.none() | st.integers(0, 20)),
+        priority=draw(st.integers(-1, 2)),
     )
 
 
 @st.composite
-def workloads(draw) -> Workload:
+def workloads(draw, policy: str) -> Workload:
     # Small pools and overlapping requests, so that requests often have to be preempted.
     block_size = draw(st.integers(1, 4))
     num_blocks = draw(st.integers(2 if block_size == 1 else 1, 10))
@@ -363,6 +521,7 @@ def workloads(draw) -> Workload:
         max_num_batched_tokens=max_num_batched_tokens,
         watermark_blocks=draw(st.just(0) | st.integers(0, num_blocks)),
         requests=draw(st.lists(planned_requests(max_request_tokens), min_size=1, max_size=10)),
+        policy=policy,
     )
 
 
@@ -377,6 +536,7 @@ class Simulation:
             workload.max_num_seqs,
             workload.max_num_batched_tokens,
             workload.watermark_blocks,
+            workload.policy,
         )
         self.requests: list[Request] = []
         self.arrival_rank: dict[int, int] = {}  # request index -> position in the order of add()
@@ -391,9 +551,10 @@ class Simulation:
 
     def run(self) -> None:
         plan = self.workload.requests
-        # Liveness bound: the oldest running request is never preempted (the pool holds any single request)
-        # and gets a token every step, and an idle scheduler admits the head of the queue; so once all have
-        # arrived, every step gains a token that is kept, and there are only so many tokens to sample.
+        # Liveness bound: the first running request in the policy's order is never preempted (the pool holds any
+        # single request), a waiting request preempts only to be admitted, and an idle scheduler admits the head
+        # of the queue; so once all have arrived, every step gains a token that is kept, and there are only so
+        # many tokens to sample.
         max_num_steps = max(p.arrival_step for p in plan) + sum(p.num_output_tokens for p in plan) + 1
         for step_index in range(max_num_steps + 1):
             self.add_arrivals(step_index)
@@ -411,11 +572,16 @@ class Simulation:
         for index, planned in enumerate(self.workload.requests):
             if planned.arrival_step != step_index:
                 continue
-            request = Request(request_id=str(index), prompt_token_ids=[index] * planned.num_prompt_tokens)
+            prompt_token_ids = [index] * planned.num_prompt_tokens
+            request = Request(request_id=str(index), prompt_token_ids=prompt_token_ids, priority=planned.priority)
             self.scheduler.add(request)
             self.requests.append(request)
             self.arrival_rank[index] = len(self.arrival_rank)
-            assert self.scheduler.waiting[-1] is request
+            waiting = list(self.scheduler.waiting)
+            if self.workload.policy == "fcfs":
+                assert waiting[-1] is request
+            else:
+                assert waiting == sorted(waiting, key=priority_order)
 
     def run_step(self) -> None:
         scheduler = self.scheduler
@@ -435,34 +601,33 @@ class Simulation:
         assert output.num_batched_tokens <= config.max_num_batched_tokens
         assert len(scheduler.running) <= config.max_num_seqs
 
-        # Preemption takes the most recently admitted requests, newest first, and puts them back in front.
         preempted = output.preempted
-        assert preempted == running_before[::-1][: len(preempted)]
         if preempted:
             event("preemption")
         for request in preempted:
             assert request.status is RequestStatus.PREEMPTED
             assert request.block_ids == []
             assert request.num_computed_tokens == 0
-        survivors = running_before[: len(running_before) - len(preempted)]
-        queue = preempted[::-1] + waiting_before
-
+        survivors = [request for request in running_before if request not in preempted]
         continuing = [item for item in output.scheduled if item.request in survivors]
         admitted = [item.request for item in output.scheduled if item.request not in survivors]
         assert output.scheduled[: len(continuing)] == continuing, "running requests come before admitted ones"
-        assert admitted == queue[: len(admitted)], "admission is first come, first served"
-        assert not (preempted and admitted), "a step that preempts admits nothing"
-        assert list(scheduler.waiting) == queue[len(admitted) :]
         assert scheduler.running == survivors + admitted
+        if config.policy == "fcfs":
+            self.check_fcfs_order(preempted, admitted, running_before, waiting_before)
+        else:
+            self.check_priority_order(preempted, admitted, survivors, waiting_before)
 
-        # Running requests are served oldest first; one is skipped only when its tokens exceed what is left.
+        # Running requests are served oldest first; one is skipped only when its tokens exceed what is left (what
+        # requests before it took, victims included: one scheduled before its preemption gave its token back late).
         budget = config.max_num_batched_tokens
         scheduled_ids = {id(item.request) for item in continuing}
-        for request in survivors:
-            if id(request) in scheduled_ids:
-                budget -= request.num_uncomputed_tokens
+        for request in running_before:
+            if request in preempted or id(request) in scheduled_ids:
+                budget -= request.num_uncomputed_tokens if id(request) in scheduled_ids else 1
             else:
                 assert request.num_uncomputed_tokens > budget
+        budget = config.max_num_batched_tokens - sum(item.num_new_tokens for item in continuing)
         for item in continuing:
             assert item.num_new_tokens == item.request.num_uncomputed_tokens == 1
         for item in output.scheduled[len(continuing) :]:
@@ -476,23 +641,54 @@ class Simulation:
             num_tokens_after = item.start_position + item.num_new_tokens
             assert len(item.request.block_ids) == num_blocks_for(num_tokens_after, block_size)
 
+        num_free = scheduler.allocator.num_free_blocks
+        if admitted and (survivors or len(admitted) > 1):
+            assert num_free >= config.watermark_blocks, "admission beside running requests keeps the watermark"
+
+        # Admission stops only for a reason: no queue, a preemption while running requests grew, the head was just
+        # preempted, or it does not fit (under priority: not even if every lower running request were preempted).
+        admission_ran = not preempted or (config.policy == "priority" and admitted)
+        if scheduler.waiting and admission_ran and scheduler.waiting.peek() not in preempted:
+            head = scheduler.waiting.peek()
+            lower = [r for r in scheduler.running if config.policy == "priority" and r.priority > head.priority]
+            assert not self.fits(head, scheduler.running, budget), "the head of the queue fits"
+            assert not self.fits(head, [r for r in scheduler.running if r not in lower], budget, lower)
+
+    def fits(self, head: Request, running: list[Request], budget: int, victims: list[Request] = ()) -> bool:
+        """Whether `head` could be admitted beside `running`, once `victims` gave back their blocks (no block is
+        shared here: the workloads have no prefix cache)."""
+        scheduler, config = self.scheduler, self.scheduler.config
+        num_free = scheduler.allocator.num_free_blocks + sum(len(victim.block_ids) for victim in victims)
+        watermark = config.watermark_blocks if running else 0
+        seat = len(running) < config.max_num_seqs
+        blocks = num_free - num_blocks_for(head.num_tokens, scheduler.block_size) >= watermark
+        return seat and head.num_tokens <= budget and blocks
+
+    def check_fcfs_order(self, preempted, admitted, running_before, waiting_before) -> None:
+        # Preemption takes the most recently admitted requests, newest first, and puts them back in front.
+        assert preempted == running_before[::-1][: len(preempted)]
+        queue = preempted[::-1] + waiting_before
+        assert admitted == queue[: len(admitted)], "admission is first come, first served"
+        assert not (preempted and admitted), "a step that preempts admits nothing"
+        assert list(self.scheduler.waiting) == queue[len(admitted) :]
         for request in admitted:
             rank = self.arrival_rank[self.index(request)]
             if rank not in self.first_started:
                 assert all(earlier < rank for earlier in self.first_started), "requests first run in arrival order"
                 self.first_started.append(rank)
 
-        num_free = scheduler.allocator.num_free_blocks
-        if admitted and (survivors or len(admitted) > 1):
-            assert num_free >= config.watermark_blocks, "admission beside running requests keeps the watermark"
-
-        # Admission stops only for a reason: no queue, no seat, a preemption, or the head does not fit.
-        if scheduler.waiting and len(scheduler.running) < config.max_num_seqs and not preempted:
-            head = scheduler.waiting[0]
-            watermark = config.watermark_blocks if scheduler.running else 0
-            does_not_fit_budget = head.num_tokens > budget
-            does_not_fit_blocks = num_free - num_blocks_for(head.num_tokens, block_size) < watermark
-            assert does_not_fit_budget or does_not_fit_blocks
+    def check_priority_order(self, preempted, admitted, survivors, waiting_before) -> None:
+        # Preemption takes the lowest requests (largest priority value, latest arrival), lowest first; the queue
+        # stays in (priority, arrival) order, and admission takes its head.
+        assert preempted == sorted(preempted, key=priority_order, reverse=True)
+        assert all(priority_order(victim) > priority_order(r) for victim in preempted for r in survivors)
+        queue = sorted(waiting_before + preempted, key=priority_order)
+        assert admitted == queue[: len(admitted)], "admission is by (priority, arrival)"
+        assert list(self.scheduler.waiting) == queue[len(admitted) :]
+        if preempted and admitted:  # preempted for admission: only by requests of a smaller priority value
+            event("preemption for a higher priority")
+            assert max(victim.priority for victim in preempted) > min(request.priority for request in admitted)
+            assert max(map(priority_order, admitted)) < min(map(priority_order, preempted))
 
     def abort_planned(self, step_index: int) -> None:
         for request in self.requests:
@@ -565,17 +761,24 @@ class Simulation:
 
 
 @settings(max_examples=300, deadline=None)
-@given(workload=workloads())
+@given(workload=workloads("fcfs"))
 def test_scheduler_keeps_its_invariants_and_finishes_every_request(workload):
     Simulation(workload).run()
 
 
-def test_requests_of_more_adapters_than_max_loras_wait_and_later_ones_pass_them():
+@settings(max_examples=300, deadline=None)
+@given(workload=workloads("priority"))
+def test_priority_scheduler_keeps_its_invariants_and_finishes_every_request(workload):
+    Simulation(workload).run()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_requests_of_more_adapters_than_max_loras_wait_and_later_ones_pass_them(policy):
     """Two adapters at a time: a request of a third waits, in its place, while later requests of running adapters (or
     the base model) are admitted; it runs once an adapter's requests are gone."""
     from kvserve.kvcache import AdapterTag
 
-    scheduler = Scheduler(SchedulerConfig(max_loras=2), BlockAllocator(64), 16)
+    scheduler = Scheduler(SchedulerConfig(max_loras=2, policy=policy), BlockAllocator(64), 16)
     tags = {name: AdapterTag(index, name, f"/adapters/{name}") for index, name in enumerate("abc")}
     lora_of = {"r0": "a", "r1": "b", "r2": "c", "r3": "a", "r4": None, "r5": "c"}
     requests = {}
@@ -590,3 +793,18 @@ def test_requests_of_more_adapters_than_max_loras_wait_and_later_ones_pass_them(
     assert {item.request.request_id for item in second.scheduled} >= {"r2", "r5"}
     adapters = {request.lora for request in scheduler.running if request.lora is not None}
     assert adapters == {tags["a"], tags["c"]}
+
+
+def test_a_higher_priority_request_of_another_adapter_preempts_nothing_for_an_adapter_slot():
+    """A request waiting for an adapter slot is passed over before it could preempt: whatever its priority, it waits
+    for the running requests of an adapter to finish (preemption makes room in seats, blocks and tokens only)."""
+    from kvserve.kvcache import AdapterTag
+
+    scheduler = Scheduler(SchedulerConfig(max_loras=2, max_num_seqs=2, policy="priority"), BlockAllocator(64), 16)
+    tags = [AdapterTag(index, name, f"/adapters/{name}") for index, name in enumerate("abc")]
+    for index, tag in enumerate(tags[:2]):
+        scheduler.add(Request(f"r{index}", [1, 2, 3], lora=tag, priority=5))
+    step(scheduler)
+    scheduler.add(Request("urgent", [1, 2, 3], lora=tags[2], priority=0))
+    output = step(scheduler)
+    assert output.preempted == [] and ids(scheduler.running) == ["r0", "r1"] and ids(scheduler.waiting) == ["urgent"]
