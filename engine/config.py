@@ -6,6 +6,7 @@ from typing import Literal
 import torch
 
 from kvserve.kernels import check_backend_name
+from kvserve.scheduler.request_queue import SCHEDULING_POLICIES, SchedulingPolicy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -54,6 +55,9 @@ class EngineConfig:
         step needs it, replacing the least recently used one.
     max_lora_rank: the largest rank an adapter may have (the slots are this wide).
     lora_modules: (name, path) of adapters loaded at start.
+    scheduling_policy: "fcfs" (arrival order; a request's `priority` must be 0) or "priority" (vLLM's: the waiting
+        queue ordered by (priority, arrival), lower values first; the lowest-priority running request is preempted
+        when memory runs short, and a waiting request that does not fit preempts running ones of lower priority).
     """
 
     model: str | None = None
@@ -88,6 +92,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -105,6 +110,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_timeout_s must be positive, got {self.tensor_parallel_timeout_s}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            policies = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"scheduling_policy must be one of {policies}, got {self.scheduling_policy!r}")
         self._check_kv_events()
         self._check_lora()
 

@@ -90,6 +90,7 @@ class EngineCore:
                 enable_prefix_caching=config.enable_prefix_caching,
                 block_hash_seed=resolve_hash_seed(config.prefix_cache_hash_seed),
                 max_loras=config.max_loras if config.enable_lora else None,
+                policy=config.scheduling_policy,
             ),
             BlockAllocator(num_blocks, record_events=config.kv_events_endpoint is not None),
             config.block_size,
@@ -149,7 +150,7 @@ class EngineCore:
         wants_prompt_logprobs = params.prompt_logprobs is not None
         scheduled = Request(
             request.request_id, token_ids, reuses_cached_prefix=not wants_prompt_logprobs,
-            cache_salt=request.cache_salt, lora=request.lora,
+            cache_salt=request.cache_salt, lora=request.lora, priority=request.priority,
         )  # fmt: skip
         if self._rotates_long(scheduled):
             _keep_out_of_prefix_cache(scheduled)

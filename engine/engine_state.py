@@ -158,6 +158,7 @@ class RunningRequestState:
     num_preemptions: int
     num_unfilled_slots: int  # slots of its blocks that hold no computed token: the tail of its last block
     lora_name: str | None = None  # the LoRA adapter its blocks were computed under
+    priority: int = 0  # lower runs first under the priority policy
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class EngineState:
     running: tuple[RunningRequestState, ...]  # in admission order, oldest first
     num_waiting: int
     num_preempted_waiting: int
+    waiting_by_priority: tuple[tuple[int, int], ...]  # (priority, requests waiting) for each, lowest value first
     kv_usage: KVUsage
     prefix_cache_queried_tokens: int  # since the engine started
     prefix_cache_hit_tokens: int
@@ -204,6 +206,7 @@ def take_engine_state(scheduler: Scheduler, window: StatsWindow, now_s: float, w
         running=tuple(_running_request_state(request, scheduler.block_size) for request in scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_preempted_waiting=sum(request.status is RequestStatus.PREEMPTED for request in scheduler.waiting),
+        waiting_by_priority=tuple(sorted(Counter(request.priority for request in scheduler.waiting).items())),
         kv_usage=scheduler.kv_usage(),
         prefix_cache_queried_tokens=scheduler.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens,
@@ -221,6 +224,7 @@ def _running_request_state(request: Request, block_size: int) -> RunningRequestS
         num_preemptions=request.num_preemptions,
         num_unfilled_slots=len(request.block_ids) * block_size - request.num_computed_tokens,
         lora_name=request.lora.name if request.lora is not None else None,
+        priority=request.priority,
     )
 
 

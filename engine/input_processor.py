@@ -14,6 +14,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.request import ChatPrompt, GenerationRequest, ProcessedRequest, Prompt
 from kvserve.engine.sampling_params import GrammarSpec, SamplingParams
 from kvserve.engine.structured_output import GrammarCompiler
+from kvserve.scheduler.request_queue import SchedulingPolicy
 
 
 @dataclass(frozen=True)
@@ -41,22 +42,25 @@ class ModelLimits:
 class InputProcessor:
     def __init__(
         self, tokenizer, model: ModelLimits, grammars: GrammarCompiler, limits: RequestLimits = NO_LIMITS,
-        chat_template: str | None = None,
+        chat_template: str | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:  # fmt: skip
-        """`chat_template`: the server's own, over the tokenizer's."""
+        """`chat_template`: the server's own, over the tokenizer's; `scheduling_policy`: the engine's (only
+        "priority" takes a request's priority)."""
         self.tokenizer = tokenizer
         self.model = model
         self.grammars = grammars
         self.limits = limits
         self.chat_template = chat_template or tokenizer.chat_template
+        self.scheduling_policy = scheduling_policy
 
     def process(self, request: GenerationRequest) -> ProcessedRequest:
         self._check_request_caps(request)
+        self._check_priority(request.priority)
         prompts = [self.prompt_token_ids(prompt) for prompt in request.prompts]
         params = [self._resolved_params(len(token_ids), request.params) for token_ids in prompts]
         if request.params.structured_output is not None:
             self.compile_grammar(request.params.structured_output)
-        return ProcessedRequest(prompts, params, request.n, request.cache_salt, request.lora)
+        return ProcessedRequest(prompts, params, request.n, request.cache_salt, request.lora, request.priority)
 
     def compile_grammar(self, spec: GrammarSpec) -> None:
         """Build (or find cached) a grammar; `InvalidRequestError` naming the field it came from if it does not."""
@@ -129,6 +133,16 @@ class InputProcessor:
         longest = limits.max_stop_string_chars
         if longest is not None and any(isinstance(s, str) and len(s) > longest for s in stop):
             raise InvalidRequestError("stop", f"stop strings are limited to {longest} characters")
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority", f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduling_policy != "priority":
+            # vLLM refuses it too: under first come, first served a priority would be silently ignored.
+            raise InvalidRequestError(
+                "priority",
+                f"priority is only allowed with priority scheduling (--scheduling-policy priority), got {priority}",
+            )
 
     def _resolved_params(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """`params` for this prompt (max_tokens None: the rest of the context), checked to fit it and the cache."""

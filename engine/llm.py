@@ -38,28 +38,24 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_names: str | Sequence[str | None] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts through the continuously batched engine; outputs come back in prompt order.
-        `lora_names`: the loaded LoRA adapter each prompt runs under (one name for all; None: the base model)."""
+        `lora_names`: the loaded LoRA adapter each prompt runs under (one name for all; None: the base model).
+        `priority`: each prompt's priority (one for all; vLLM's list), lower first; the engine needs
+        `scheduling_policy="priority"` for any but 0."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        if lora_names is None or isinstance(lora_names, str):
-            lora_names = [lora_names] * len(prompts)
-        if len(lora_names) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(lora_names)} LoRA names")
+        lora_names = [lora_names] * len(prompts) if lora_names is None or isinstance(lora_names, str) else lora_names
+        priority = 0 if priority is None else priority
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else priority
+        for name, values in (("sampling params", params_list), ("LoRA names", lora_names), ("priorities", priorities)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(values)} {name}")
         # Every prompt is checked before any is queued: a bad one refuses the call and runs nothing.
-        inputs = self.engine.inputs
-        requests = []
-        for prompt, prompt_params, lora_name in zip(prompts, params_list, lora_names, strict=True):
-            prompt = prompt if isinstance(prompt, str) else list(prompt)
-            lora = self.engine.lora_tag(lora_name)
-            processed = inputs.process(GenerationRequest([prompt], prompt_params, lora=lora))
-            request_id = self.engine.new_request_id()
-            requests.append(CoreRequest(request_id, processed.prompt_token_ids[0], processed.params[0], lora=lora))
+        requests = [self._checked(*each) for each in zip(prompts, params_list, lora_names, priorities, strict=True)]
         for request in requests:
             self.engine.submit(request)
         deltas: dict[str, list[RequestDelta]] = {request.request_id: [] for request in requests}
@@ -72,3 +68,11 @@ class LLM:
             outputs.append(RequestOutput(request.request_id, request.prompt_token_ids, whole.token_ids, whole.text,
                                          whole.logprobs, whole.finish_reason, whole.prompt_logprobs))  # fmt: skip
         return outputs
+
+    def _checked(self, prompt, params: SamplingParams, lora_name: str | None, priority: int) -> CoreRequest:
+        """One prompt through the input processor, as the core queues it."""
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        lora = self.engine.lora_tag(lora_name)
+        processed = self.engine.inputs.process(GenerationRequest([prompt], params, lora=lora, priority=priority))
+        token_ids, params = processed.prompt_token_ids[0], processed.params[0]
+        return CoreRequest(self.engine.new_request_id(), token_ids, params, None, lora, processed.priority)

@@ -50,7 +50,9 @@ class LLMEngine:
         self.core = EngineCore(config, model_dir, eos, grammars, progress)
         core = self.core
         model_limits = ModelLimits(core.vocab_size, core.limits.max_model_len, core.kv_cache.num_tokens)
-        self.inputs = InputProcessor(self.tokenizer, model_limits, grammars, limits, chat_template)
+        self.inputs = InputProcessor(
+            self.tokenizer, model_limits, grammars, limits, chat_template, config.scheduling_policy
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         for name, path in config.lora_modules:
@@ -60,17 +62,19 @@ class LLMEngine:
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, priority: int = 0,
     ) -> str:  # fmt: skip
         """Check and queue one request; returns its id. Raises `InvalidRequestError` for bad input. A request with
         a `cache_salt` shares cached prefix blocks only with requests of the same salt; `lora_name`: the loaded
-        LoRA adapter to run under."""
+        LoRA adapter to run under; `priority`: lower runs first (with `scheduling_policy="priority"` only)."""
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.outputs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         lora = self.lora_tag(lora_name)
-        processed = self.inputs.process(GenerationRequest([prompt], params, cache_salt=cache_salt, lora=lora))
-        self.submit(CoreRequest(request_id, processed.prompt_token_ids[0], processed.params[0], cache_salt, lora))
+        generation = GenerationRequest([prompt], params, cache_salt=cache_salt, lora=lora, priority=priority)
+        processed = self.inputs.process(generation)
+        token_ids, params = processed.prompt_token_ids[0], processed.params[0]
+        self.submit(CoreRequest(request_id, token_ids, params, cache_salt, lora, processed.priority))
         return request_id
 
     # LoRA adapters

@@ -31,24 +31,28 @@ Prompt = str | list[int] | ChatPrompt
 class GenerationRequest:
     """`n` samples of each prompt. `params.max_tokens` None means the rest of each prompt's context window.
     `cache_salt`: cached prefix blocks are shared only with requests of the same salt. `lora`: the LoRA adapter
-    to run under (None: the base model)."""
+    to run under (None: the base model). `priority`: under the priority scheduling policy, lower runs first (vLLM's
+    meaning); anything but 0 is refused under fcfs."""
 
     prompts: list[Prompt]
     params: SamplingParams
     n: int = 1
     cache_salt: str | None = None
     lora: AdapterTag | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
 class CoreRequest:
-    """One sequence to generate, as the engine core schedules it; `lora`: the adapter it runs under."""
+    """One sequence to generate, as the engine core schedules it; `lora`: the adapter it runs under; `priority`: its
+    place in the priority policy's order (lower first)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
     lora: AdapterTag | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class ProcessedRequest:
     n: int
     cache_salt: str | None = None
     lora: AdapterTag | None = None
+    priority: int = 0
     num_choices: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -72,7 +77,7 @@ class ProcessedRequest:
             for sample in range(self.n):
                 seeded = params if params.seed is None or not sample else replace(params, seed=params.seed + sample)
                 index = prompt_index * self.n + sample
-                yield CoreRequest(f"{request_id}-{index}", token_ids, seeded, self.cache_salt, self.lora)
+                yield CoreRequest(f"{request_id}-{index}", token_ids, seeded, self.cache_salt, self.lora, self.priority)
 
     def prompt_of(self, choice_index: int) -> list[int]:
         return self.prompt_token_ids[choice_index // self.n]

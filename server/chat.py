@@ -131,7 +131,7 @@ async def start_chat(body: ChatCompletionRequest, ctx: ServerContext, request_id
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar or tool_plan.grammar)
     prompt = chat_prompt(body.messages, body.add_generation_prompt, tool_plan.template_tools)
-    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt, lora)
+    engine_request = GenerationRequest([prompt], params, body.n, body.cache_salt, lora, body.priority)
     generation = await Generation.start(
         ctx.engine, engine_request, request_id, ctx.count_disconnect, ctx.response_model(lora)
     )

@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         body, max_tokens=1 if scores_prompt_only else body.max_tokens, logprobs=logprobs, grammar=grammar_of(body),
         prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
-    engine_request = GenerationRequest(prompts, params, num_candidates, body.cache_salt, lora)
+    engine_request = GenerationRequest(prompts, params, num_candidates, body.cache_salt, lora, body.priority)
     generation = await Generation.start(
         ctx.engine, engine_request, random_id("cmpl"), ctx.count_disconnect, ctx.response_model(lora)
     )

@@ -107,6 +107,7 @@ class SamplingFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached prefixes only within a salt
+    priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority only (else anything but 0 is a 400)
     # SGLang's fields that vllm-router and sglang-router add to every request they forward, at these defaults:
     # accepted at values kvserve serves, refused otherwise (server/supported_fields.py).
     no_stop_trim: bool = False
@@ -474,12 +475,16 @@ class RunningRequestInfo(BaseModel):
     num_preemptions: int
     num_unfilled_slots: int
     lora_name: str | None = Field(None, description="the LoRA adapter it runs under (null: the base model)")
+    priority: int = Field(0, description="its priority (lower runs first under --scheduling-policy priority)")
 
 
 class RequestQueueState(BaseModel):
     running: list[RunningRequestInfo]
     num_waiting: int
     num_preempted_waiting: int
+    waiting_by_priority: list[tuple[int, int]] = Field(
+        description="[priority, waiting requests] for each priority that has requests waiting, lowest value first"
+    )
 
 
 class LatencyPercentiles(BaseModel):
@@ -543,6 +548,7 @@ class EngineStateResponse(BaseModel):
             running=[RunningRequestInfo.model_validate(request, from_attributes=True) for request in state.running],
             num_waiting=state.num_waiting,
             num_preempted_waiting=state.num_preempted_waiting,
+            waiting_by_priority=list(state.waiting_by_priority),
         )
         live = LiveEngineFigures.model_validate(state.live, from_attributes=True)
         return cls(taken_at=state.taken_at, age_s=age_s, kv_cache=kv_cache, requests=requests, live=live)

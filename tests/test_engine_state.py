@@ -172,7 +172,9 @@ def _check_against_the_engine(state, engine: LLMEngine) -> None:
         assert row.num_computed_tokens == request.num_computed_tokens
         assert row.num_unfilled_slots == len(request.block_ids) * BLOCK_SIZE - request.num_computed_tokens
         assert row.num_unfilled_slots == -request.num_computed_tokens % BLOCK_SIZE  # only the last block's tail
+        assert row.priority == request.priority
     assert state.num_waiting == len(scheduler.waiting)
+    assert sum(count for _, count in state.waiting_by_priority) == state.num_waiting
     num_held_slots = allocator.num_used_blocks * BLOCK_SIZE
     unfilled = sum(row.num_unfilled_slots for row in state.running)
     assert state.fragmentation == (unfilled / num_held_slots if num_held_slots else 0.0)
@@ -308,7 +310,9 @@ def test_after_a_known_workload_the_state_matches_the_engine_and_the_figures_its
         assert blocks["used"] == allocator.num_used_blocks == 0 and blocks["available"] == allocator.num_free_blocks
         assert blocks["evictable"] == allocator.num_cached_blocks == 5  # the first prompt's full blocks
         assert kv_cache["prefix_cache_hit_rate"] == 32 / (80 + 40)  # the second found two of them
-        assert state["requests"] == {"running": [], "num_waiting": 0, "num_preempted_waiting": 0}
+        assert state["requests"] == {
+            "running": [], "num_waiting": 0, "num_preempted_waiting": 0, "waiting_by_priority": []
+        }  # fmt: skip
         live = state["live"]
         assert sum(live["num_output_tokens"]) == 10 and live["output_tokens_per_s"] > 0
         assert live["time_to_first_token_s"]["count"] == 2 and live["inter_token_latency_s"]["count"] == 8

@@ -33,7 +33,7 @@ REFUSED_CHAT_VALUES = {
     "store": True,
 }
 SERVED_CHAT_VALUES = {"modalities": ["text"], "service_tier": "auto", "store": False, "user": "u-1",
-                      "safety_identifier": "s-1", "prompt_cache_key": "k-1"}  # fmt: skip
+                      "safety_identifier": "s-1", "prompt_cache_key": "k-1", "priority": 0}  # fmt: skip
 
 
 def sdk_fields(params: type) -> set[str]:
@@ -109,7 +109,11 @@ def test_a_chat_field_with_a_value_kvserve_serves_is_accepted(server, field, val
      (COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias"),
      (COMPLETIONS, {"logit_bias": {"99999999": 1}}, "logit_bias"),
      (COMPLETIONS, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-     (CHAT, {"logit_bias": {"5": -100.5}}, "logit_bias")],
+     (CHAT, {"logit_bias": {"5": -100.5}}, "logit_bias"),
+     # vLLM's priority: refused under the default fcfs policy (tests/test_priority_scheduling.py serves it).
+     (COMPLETIONS, {"priority": 1}, "priority"),
+     (CHAT, {"priority": -1}, "priority"),
+     (COMPLETIONS, {"priority": "high"}, "priority")],
 )  # fmt: skip
 def test_out_of_range_or_unserved_values_are_400s_naming_the_field(server, route, fields, param):
     body = {"model": TINY_MODEL, "max_tokens": 2, **fields}

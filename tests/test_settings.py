@@ -52,6 +52,7 @@ def test_flags_override_env_which_overrides_the_file(tmp_path):
         ("port: 70000\n", {}, "port"),
         ("block_size: 24\n", {}, "block_size"),  # EngineConfig's own check, run at load time too
         ("gpu_memory_utilization: 1.5\n", {}, "gpu_memory_utilization"),
+        ("scheduling_policy: lifo\n", {}, "scheduling_policy"),
     ],
 )
 def test_unknown_keys_and_wrong_types_are_refused_by_name(tmp_path, content, env, named):
@@ -59,6 +60,24 @@ def test_unknown_keys_and_wrong_types_are_refused_by_name(tmp_path, content, env
     config_file.write_text(content)
     with pytest.raises(SettingsError, match=named):
         load_settings(config_file, {}, environ=env)
+
+
+def test_the_scheduling_policy_comes_from_yaml_env_or_flag_and_reaches_the_engine(tmp_path):
+    assert ServerSettings().scheduling_policy == EngineConfig().scheduling_policy == "fcfs"
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("scheduling_policy: priority\n")
+    assert load_settings(config_file, {}, environ={}).engine_config().scheduling_policy == "priority"
+    env = {"KVSERVE_SCHEDULING_POLICY": "priority"}
+    assert load_settings(None, {}, environ=env).engine_config().scheduling_policy == "priority"
+    flag = cli._parse_args(["serve", "--scheduling-policy", "fcfs"]).scheduling_policy
+    assert load_settings(config_file, {"scheduling_policy": flag}, environ=env).scheduling_policy == "fcfs"
+
+
+def test_kvserve_serve_refuses_a_scheduling_policy_it_does_not_have(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--scheduling-policy", "lifo"])
+    assert exit_info.value.code == 2
+    assert "--scheduling-policy" in capsys.readouterr().err
 
 
 def test_kvserve_serve_refuses_a_bad_config_file_before_loading_anything(tmp_path, capsys):
