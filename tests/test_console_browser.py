@@ -237,6 +237,29 @@ def test_the_map_shows_blocks_two_requests_share_with_their_ref_count(browser, c
     assert console_errors(browser) == []
 
 
+def test_the_live_view_shows_each_running_requests_priority_and_the_waiting_ones_by_priority(
+    browser, tiny_checkpoints, monkeypatch
+):
+    """Under the priority policy, one seat: a request at priority 1 runs; two at 3 and 5 wait behind it."""
+    with tiny_server(tiny_checkpoints, scheduling_policy="priority", max_num_seqs=1) as running, ExitStack() as streams:
+        slow_down_steps(running, monkeypatch, delay_s=0.02)
+        client = streams.enter_context(httpx.Client(base_url=running.base_url, timeout=30))
+        for priority in (1, 3, 5):
+            body = {"model": TINY_MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True, "priority": priority}  # fmt: skip
+            lines = streams.enter_context(client.stream("POST", "/v1/completions", json=body)).iter_lines()
+            streams.callback(lines.close)
+            if priority == 1:
+                next(lines)  # its first token: it holds the seat
+        wait_for(lambda: running.ctx.engine.num_waiting == 2)
+
+        _open(browser, running.base_url, "live")
+        wait_until(browser, lambda d: _text(d, "live-waiting") == "2 (1 at 3, 1 at 5)", "no waiting by priority")
+        cells = browser.find_elements(By.CSS_SELECTOR, "#live-requests tr td")
+        assert [cell.text for cell in cells[:2]] == [running.engine.core.scheduler.running[0].request_id, "1"]
+    assert console_errors(browser) == []
+
+
 def test_with_an_api_key_the_page_asks_for_it_and_works_once_it_is_entered(browser, tiny_checkpoints, tmp_path):
     with tiny_server(tiny_checkpoints, api_key=API_KEY) as running:
         browser.get(f"{running.base_url}/console/#live")

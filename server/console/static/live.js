@@ -20,7 +20,7 @@ export class LiveView {
     const { live, requests, kv_cache: kv } = state;
     const figures = {
       "live-running": requests.running.length,
-      "live-waiting": requests.num_waiting,
+      "live-waiting": waitingText(requests),
       "live-preempted": requests.num_preempted_waiting,
       "live-rate": live.output_tokens_per_s.toFixed(1),
       "live-ttft": percentiles(live.time_to_first_token_s),
@@ -48,9 +48,17 @@ export class LiveView {
   }
 }
 
+// The waiting count, and how many wait at each priority once any priority is not the default.
+function waitingText(requests) {
+  const byPriority = requests.waiting_by_priority;
+  if (byPriority.every(([priority]) => priority === 0)) return requests.num_waiting;
+  return `${requests.num_waiting} (${byPriority.map(([priority, count]) => `${count} at ${priority}`).join(", ")})`;
+}
+
 function requestRow(request) {
   return tableRow([
     request.request_id,
+    request.priority,
     request.num_prompt_tokens,
     request.num_output_tokens,
     numBlocks(request),
