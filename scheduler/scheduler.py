@@ -250,7 +250,7 @@ class Scheduler:
         """How a waiting request would be admitted now (or once the running requests in `release` were preempted):
         (its cached prefix's blocks, its tokens to run, the new blocks they need); None if it does not fit (no seat,
         no tokens left in the budget, or too few free blocks)."""
-        release = release or _Release()
+        release = release or _NOTHING_RELEASED
         num_running = len(self.running) - release.num_requests
         token_budget += release.num_tokens
         if num_running >= self.config.max_num_seqs:
@@ -355,6 +355,9 @@ class _Release:
         for block_id in request.block_ids:
             self.holders[block_id] += 1
             self.num_freed_blocks += self.holders[block_id] == allocator.ref_count(block_id)
+
+
+_NOTHING_RELEASED = _Release()  # never added to: what `_admission` assumes without a release
 
 
 def _unschedule(request: Request, scheduled: dict[Request, ScheduledRequest]) -> int:
