@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 
 from kvserve.kernels import check_backend_name
-from kvserve.scheduler.request_queue import SCHEDULING_POLICIES, SchedulingPolicy
+from kvserve.scheduler import SCHEDULING_POLICIES, SchedulingPolicy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_DTYPES = ("auto", "int8")

@@ -14,7 +14,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.request import ChatPrompt, GenerationRequest, ProcessedRequest, Prompt
 from kvserve.engine.sampling_params import GrammarSpec, SamplingParams
 from kvserve.engine.structured_output import GrammarCompiler
-from kvserve.scheduler.request_queue import SchedulingPolicy
+from kvserve.scheduler import SchedulingPolicy
 
 
 @dataclass(frozen=True)

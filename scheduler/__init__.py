@@ -2,10 +2,12 @@
 
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
+from kvserve.scheduler.request_queue import SCHEDULING_POLICIES, SchedulingPolicy, priority_order
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.scheduler_output import LoraRequestCounts, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 __all__ = [
+    "SCHEDULING_POLICIES",
     "FinishReason",
     "LoraRequestCounts",
     "Request",
@@ -15,4 +17,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SchedulingPolicy",
+    "priority_order",
 ]

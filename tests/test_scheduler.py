@@ -11,8 +11,15 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from kvserve.kvcache import BlockAllocator
-from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.scheduler.request_queue import priority_order
+from kvserve.scheduler import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    priority_order,
+)  # fmt: skip
 
 
 def make_scheduler(
