@@ -141,6 +141,7 @@ class MessagesRequest(CountTokensRequest):
     repetition_penalty: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    priority: int = 0  # with --scheduling-policy priority (as on chat)
     cache_salt: str | None = Field(default=None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
 

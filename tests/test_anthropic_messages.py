@@ -230,6 +230,7 @@ REFUSED = [
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperatur": 0.5}, "temperatur"),
+    ({"priority": 1}, "priority"),  # the server schedules first come, first served
 ]  # fmt: skip
 
 

@@ -272,6 +272,7 @@ def test_fields_asking_for_what_kvserve_does_are_served(live):
         ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": "x", "temperatur": 1.0}, "temperatur"),
+        ({"input": "x", "priority": 1}, "priority"),  # the server schedules first come, first served
         ({}, "input"),
         ({"input": "x", "model": "other"}, "model"),
     ],
