@@ -214,6 +214,8 @@ class EngineCore:
             output = CoreOutput(request.request_id, token_id, logprob, self._finish_reason(request, state, token_id))
             if state.params.prompt_logprobs is not None:
                 output.prompt_logprobs = self._prompt_scoring.take_complete(request)
+            if len(request.output_token_ids) == 1:
+                output.num_cached_tokens = request.num_cached_tokens
             if output.finish_reason is not None:
                 self.scheduler.finish(request, output.finish_reason)
                 self._forget(request.request_id)

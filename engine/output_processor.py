@@ -28,6 +28,7 @@ class _RequestState:
     held_token_ids: list[int] = field(default_factory=list)  # generated, not yet released
     held_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # from the core, sent with the next release
+    num_cached_tokens: int | None = None  # likewise
 
     def release(self, request_id: str, text: str, finish_reason: FinishReason | None = None) -> RequestDelta:
         logprobs = None
@@ -35,8 +36,9 @@ class _RequestState:
             logprobs, self.held_logprobs = self.held_logprobs, []
         reason = None if finish_reason is None else finish_reason.value
         stop_string = self.stop_filter.matched if finish_reason is not None else None
-        delta = RequestDelta(request_id, self.held_token_ids, text, logprobs, reason, self.prompt_logprobs, stop_string)
-        self.held_token_ids, self.prompt_logprobs = [], None
+        delta = RequestDelta(request_id, self.held_token_ids, text, logprobs, reason, self.prompt_logprobs, stop_string,
+                             self.num_cached_tokens)  # fmt: skip
+        self.held_token_ids, self.prompt_logprobs, self.num_cached_tokens = [], None, None
         return delta
 
 
@@ -110,6 +112,8 @@ class OutputProcessor:
         state.held_token_ids.append(output.token_id)
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = [None if e is None else self.with_texts(e) for e in output.prompt_logprobs]
+        if output.num_cached_tokens is not None:
+            state.num_cached_tokens = output.num_cached_tokens
         if output.logprob is not None:
             state.held_logprobs.append(self.with_texts(output.logprob))
         if output.finish_reason in (STOP, ABORT):

@@ -32,6 +32,7 @@ class RequestDelta:
     # Once, on the first delta after the prompt is prefilled, if asked for: None for the first token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_string: str | None = None  # on the last delta, the stop string that ended the output (not in `text`)
+    num_cached_tokens: int | None = None  # once, with the first token: prompt tokens the prefix cache held
 
     @property
     def finished(self) -> bool:
@@ -52,6 +53,7 @@ class RequestDelta:
             finish_reason=last.finish_reason,
             prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
             stop_string=last.stop_string,
+            num_cached_tokens=next((d.num_cached_tokens for d in deltas if d.num_cached_tokens is not None), None),
         )
 
 

@@ -17,6 +17,7 @@ class CoreOutput:
     finish_reason: FinishReason | None  # STOP: the token is a stop token
     # Once, with the first output after the prompt was scored, if asked for: None for the first prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache held
 
 
 @dataclass(frozen=True)

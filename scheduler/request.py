@@ -43,6 +43,7 @@ class Request:
     lora: AdapterTag | None = None  # the LoRA adapter it runs under; None: the base model
     priority: int = 0  # under the priority policy, lower runs first (and is preempted last)
     arrival_index: int = 0  # its place in the order of arrival, set by Scheduler.add
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it was first admitted
 
     @property
     def num_tokens(self) -> int:

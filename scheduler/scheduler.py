@@ -233,6 +233,8 @@ class Scheduler:
                 self.allocator.take_cached(block_id)
             request.block_ids = cached_block_ids + self.allocator.allocate(num_blocks)
             request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens is None:  # a preempted request's recompute is not the prompt's cache hit
+                request.num_cached_tokens = num_cached_tokens
             request.num_registered_blocks = len(cached_block_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -28,6 +28,7 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
+    num_cached_tokens: int = 0  # of its prompt's tokens, those the prefix cache held
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: RequestDelta) -> None:
@@ -40,6 +41,8 @@ class Choice:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason
         self.stop_string = delta.stop_string
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
 
     def drop_output(self) -> None:
         """Forget the generated tokens (a request that only scores its prompt generates one, not returned)."""

@@ -58,11 +58,9 @@ async def create_message(body: MessagesRequest, request: Request, ctx: ServerCon
     content: list[TextOut | ToolUseOut] = [TextOut(text=parsed.content)] if parsed.content else []
     content += [_tool_use(call) for call in parsed.tool_calls]
     stop_reason = "tool_use" if parsed.tool_calls else _stop_reason(choice.finish_reason, choice.stop_string)
-    usage = generation.usage()
     message = MessageResponse(
         id=generation.request_id, model=generation.model, content=content, stop_reason=stop_reason,
-        stop_sequence=choice.stop_string if stop_reason == "stop_sequence" else None,
-        usage=MessageUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens),
+        stop_sequence=choice.stop_string if stop_reason == "stop_sequence" else None, usage=_usage(generation),
     )  # fmt: skip
     return JSONResponse(message.model_dump())
 
@@ -207,6 +205,18 @@ def _input_of(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": arguments}
 
 
+def _usage(generation: Generation, output_tokens: int | None = None) -> MessageUsage:
+    """Anthropic's split of the prompt: `input_tokens` are those computed, `cache_read_input_tokens` those the
+    prefix cache held (their sum is the prompt, as count_tokens counts it). The cache is automatic: no tokens are
+    written at a breakpoint, so `cache_creation_input_tokens` is 0."""
+    usage = generation.usage()
+    cached = generation.choices[0].num_cached_tokens
+    return MessageUsage(
+        input_tokens=usage.prompt_tokens - cached, cache_read_input_tokens=cached, cache_creation_input_tokens=0,
+        output_tokens=usage.completion_tokens if output_tokens is None else output_tokens,
+    )  # fmt: skip
+
+
 def _stop_reason(finish_reason: str | None, stop_string: str | None) -> str | None:
     if finish_reason == "length":
         return "max_tokens"
@@ -216,14 +226,17 @@ def _stop_reason(finish_reason: str | None, stop_string: str | None) -> str | No
 async def _events(generation: Generation, tool_plan: ToolPlan) -> AsyncIterator[dict]:
     """Anthropic's stream: message_start; per content block start, deltas (text_delta or input_json_delta), stop;
     message_delta with the stop reason and usage; message_stop. An error after the start is an `error` event."""
-    usage = generation.usage()
-    start = MessageResponse(id=generation.request_id, model=generation.model, content=[], stop_reason=None,
-                            usage=MessageUsage(input_tokens=usage.prompt_tokens, output_tokens=0))  # fmt: skip
-    yield {"type": "message_start", "message": start.model_dump()}
     reader = tool_plan.reader()
     index, open_kind, called, stop_string, finish_reason = -1, None, False, None, None
+    started = False
     try:
         async for choice, delta in generation.updates():
+            if not started:
+                # Sent with the first release, which says how much of the prompt the prefix cache held.
+                started = True
+                start = MessageResponse(id=generation.request_id, model=generation.model, content=[],
+                                        stop_reason=None, usage=_usage(generation, output_tokens=0))  # fmt: skip
+                yield {"type": "message_start", "message": start.model_dump()}
             content, calls = reader.feed(delta.text, delta.finished)
             if content:
                 if open_kind != "text":
@@ -252,5 +265,5 @@ async def _events(generation: Generation, tool_plan: ToolPlan) -> AsyncIterator[
     stop_reason = "tool_use" if called else _stop_reason(finish_reason, stop_string)
     stop_sequence = stop_string if stop_reason == "stop_sequence" else None
     yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-           "usage": {"output_tokens": generation.usage().completion_tokens}}  # fmt: skip
+           "usage": _usage(generation).model_dump()}  # fmt: skip
     yield {"type": "message_stop"}

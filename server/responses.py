@@ -26,6 +26,7 @@ from kvserve.server.responses_protocol import (
     IncompleteDetails,
     InputContent,
     InputItem,
+    InputTokensDetails,
     OutputMessage,
     OutputText,
     ResponseObject,
@@ -280,8 +281,11 @@ class _ResponseDraft:
         if finish_reason == "length" and self.output:
             self.output[-1].status = "incomplete"
         usage = self.generation.usage()
-        response_usage = ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                                       total_tokens=usage.total_tokens)  # fmt: skip
+        cached = InputTokensDetails(cached_tokens=self.generation.choices[0].num_cached_tokens)
+        response_usage = ResponseUsage(
+            input_tokens=usage.prompt_tokens, input_tokens_details=cached, output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+        )  # fmt: skip
         status = "incomplete" if finish_reason == "length" else "completed"
         return self.response(status, response_usage, finish_reason)
 

@@ -70,6 +70,24 @@ def test_a_message_is_the_chat_completion_of_its_system_and_turns(client, live):
     assert create(client, system=blocks).content[0].text == message.content[0].text
 
 
+def test_usage_splits_the_prompt_into_computed_and_cache_read_tokens(client, live):
+    turns = [{"role": "user", "content": "A prompt of its own, long enough to fill some cache blocks: " + "ab " * 30}]
+    first = create(client, messages=turns)
+    hits_before = live.metric("prefix_cache_hit_tokens_total")
+    second = create(client, messages=turns)
+    assert second.usage.cache_read_input_tokens == live.metric("prefix_cache_hit_tokens_total") - hits_before > 0
+    streamed = list(create(client, messages=turns, stream=True))
+    prompt = client.messages.count_tokens(model=TINY_MODEL, messages=turns).input_tokens
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.input_tokens == prompt
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt
+    start, end = streamed[0].message.usage, streamed[-2].usage
+    assert (start.input_tokens, start.cache_read_input_tokens) == (
+        second.usage.input_tokens,
+        second.usage.cache_read_input_tokens,
+    )
+    assert (end.input_tokens, end.output_tokens) == (second.usage.input_tokens, 12)
+
+
 def test_a_stop_sequence_ends_the_text_and_is_named(client):
     text = create(client, max_tokens=24).content[0].text
     stop = text[6:9]
@@ -124,7 +142,7 @@ def test_a_tool_use_round_trip(client, live):
     assert second.content[0].text == chat_text(live, chat_messages, tools=chat_tools, tool_choice="none")
     count = client.messages.count_tokens(model=TINY_MODEL, messages=turns, tools=[WEATHER_TOOL],
                                          tool_choice={"type": "none"})  # fmt: skip
-    assert count.input_tokens == second.usage.input_tokens
+    assert count.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
 
 
 def test_a_named_tool_streams_its_input_as_json_deltas(client):
@@ -168,7 +186,8 @@ def test_output_config_format_is_structured_output(client):
 
 def test_count_tokens_counts_what_create_would_prefill(client):
     count = client.messages.count_tokens(model=TINY_MODEL, system=SYSTEM, messages=USER)
-    assert count.input_tokens == create(client, system=SYSTEM).usage.input_tokens
+    usage = create(client, system=SYSTEM).usage
+    assert count.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
     with_tools = client.messages.count_tokens(model=TINY_MODEL, messages=USER, tools=[WEATHER_TOOL])
     assert with_tools.input_tokens > count.input_tokens
 

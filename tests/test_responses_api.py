@@ -61,6 +61,18 @@ def test_a_response_is_the_chat_completion_of_its_instructions_and_input(client)
     )  # fmt: skip
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client, live):
+    prompt = "A prompt of its own, long enough to fill some blocks of the prefix cache: " + "the river bends " * 6
+    first = client.responses.create(model=TINY_MODEL, input=prompt, **GREEDY)
+    hits_before = live.metric("prefix_cache_hit_tokens_total")
+    second = client.responses.create(model=TINY_MODEL, input=prompt, **GREEDY)
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert cached == live.metric("prefix_cache_hit_tokens_total") - hits_before > 0
+    assert cached % live.engine.config.block_size == 0 and cached < second.usage.input_tokens
+    assert second.output_text == first.output_text
+
+
 def test_input_items_are_the_conversation(client):
     items = [
         {"role": "developer", "content": "Be brief."},
