@@ -34,6 +34,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.pooling import PoolingConfig
 from kvserve.engine.request import ChatPrompt, CoreRequest, GenerationRequest, ProcessedRequest
 from kvserve.engine.startup import StartupProgress
 from kvserve.engine.stats import StatsTracker, StepStats
@@ -329,6 +330,12 @@ class AsyncLLMEngine:
     @property
     def serves_loras(self) -> bool:
         return self.engine.core.loras is not None
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """An embedding engine's pooling (None: the engine generates)."""
+        pooler = self.engine.core.pooler
+        return pooler.config if pooler is not None else None
 
     async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterTag:
         """Read an adapter's files (on a worker thread) and load it; `replace`: an adapter already loaded under the

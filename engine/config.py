@@ -28,6 +28,10 @@ class EngineConfig:
     enable_chunked_prefill: compute long prompts over several steps, beside the decodes.
     max_prefill_chunk_tokens: cap on one request's prefill chunk per step; None means the budget.
     enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of computing them again.
+    task: "generate" (tokens), "embed" (one pooled vector per prompt, engine/pooling.py), or "auto": embed exactly
+        when the model directory is a sentence-transformers one (it has modules.json).
+    pooling, normalize: an embedding model's pooling (last token, mean, first token) and whether its vector is
+        L2-normalised; None: as its sentence-transformers configuration says, else last token, normalised.
     attention_backend: "auto" (the Triton kernels on CUDA, the C++ kernels on a CPU, the torch path where
         they cannot be built), "triton", "cpu" or "torch".
     enforce_eager: run every step eagerly; by default, on CUDA, pure-decode steps replay CUDA graphs (on every
@@ -72,6 +76,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_prefill_chunk_tokens: int | None = None
     enable_prefix_caching: bool = True
+    task: Literal["auto", "generate", "embed"] = "auto"
+    pooling: Literal["last", "mean", "cls"] | None = None
+    normalize: bool | None = None
     max_model_len: int | None = None
     watermark_fraction: float = 0.01
     attention_backend: str = "auto"

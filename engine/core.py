@@ -24,6 +24,7 @@ from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.models.moe import SparseMoeBlock
 from kvserve.engine.parallel.launch import start_ranks
+from kvserve.engine.pooling import Pooler, read_pooling_config
 from kvserve.engine.prompt_scoring import PromptScoring
 from kvserve.engine.request import CoreRequest
 from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample
@@ -35,12 +36,21 @@ from kvserve.engine.worker import Worker
 from kvserve.kvcache import AdapterTag, BlockAllocator, BlockKey, KVUsage
 from kvserve.kvcache.block_hash import resolve_hash_seed
 from kvserve.kvcache.events import BlocksStored, CacheEvent
-from kvserve.scheduler import FinishReason, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerStats
+from kvserve.scheduler import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
+NO_TOKEN = -1  # what an embedding request "samples": it finishes with its vector instead
 
 
 @dataclass
@@ -65,6 +75,8 @@ class EngineCore:
         self.model_dir = model_dir
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
+        pooling = read_pooling_config(model_dir, config.task, config.pooling, config.normalize)
+        self.pooler = Pooler(pooling) if pooling is not None else None  # None: the engine generates
         # With tensor parallelism the other ranks start here and build their shards beside this one.
         self.ranks = start_ranks(config, model_dir, self.device) if config.tensor_parallel_size > 1 else None
         try:
@@ -152,7 +164,7 @@ class EngineCore:
             request.request_id, token_ids, reuses_cached_prefix=not wants_prompt_logprobs,
             cache_salt=request.cache_salt, lora=request.lora, priority=request.priority,
         )  # fmt: skip
-        if self._rotates_long(scheduled):
+        if self._rotates_long(scheduled) or self.pooler is not None:
             _keep_out_of_prefix_cache(scheduled)
         self.scheduler.add(scheduled)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -191,6 +203,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return EMPTY_STEP
+        if self.pooler is not None:
+            return self._embedding_step(scheduler_output)
         states, sampling, rows = self._sampling, [], []
         for item in scheduler_output.scheduled:
             if item.samples_next_token:
@@ -220,6 +234,25 @@ class EngineCore:
                 self.scheduler.finish(request, output.finish_reason)
                 self._forget(request.request_id)
             outputs.append(output)
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        return StepResult(outputs, scheduler_output)
+
+    def _embedding_step(self, scheduler_output: SchedulerOutput) -> StepResult:
+        """Run one batch of embedding requests' prompt chunks; each request whose prompt is done finishes with its
+        pooled vector (and frees its blocks at once)."""
+        lora_slots = None
+        if self.loras is not None:
+            lora_slots = self.loras.slots_for(item.request.lora for item in scheduler_output.scheduled)
+        hidden = self.runner.execute(scheduler_output, self.pooler.rows(scheduler_output), lora_slots)
+        finished = self.pooler.collect(scheduler_output, hidden)
+        self.scheduler.update(scheduler_output, [NO_TOKEN] * len(finished))
+        outputs = []
+        for request, vector in finished:
+            outputs.append(CoreOutput(request.request_id, NO_TOKEN, None, FinishReason.STOP, num_cached_tokens=0,
+                                      embedding=vector.tolist()))  # fmt: skip
+            self.scheduler.finish(request, FinishReason.STOP)
+            self._forget(request.request_id)
         if self.kv_events is not None:
             self._publish_kv_events()
         return StepResult(outputs, scheduler_output)
@@ -264,6 +297,8 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         lora = self._sampling.pop(request_id).lora
         self._prompt_scoring.discard(request_id)
+        if self.pooler is not None:
+            self.pooler.discard(request_id)
         if lora is not None and self.loras.release(lora):
             self._forget_cached_blocks(lora)
 
@@ -346,10 +381,16 @@ class EngineCore:
             self.ranks.stop()
 
     @property
+    def embeds(self) -> bool:
+        """Whether this engine makes embeddings (each request one pooled vector) instead of generating."""
+        return self.pooler is not None
+
+    @property
     def is_tensor_parallel(self) -> bool:
         return self.ranks is not None
 
 
 def _keep_out_of_prefix_cache(request: Request) -> None:
-    # Its keys are rotated with the long set: not those a shorter sequence's prefix would have.
+    # LongRoPE: its keys are rotated with the long set, not those a shorter sequence's prefix would have. An
+    # embedding: a cached block has no hidden states to pool, and its KV is dropped once the prompt is computed.
     request.reuses_cached_prefix = request.caches_blocks = False

@@ -6,7 +6,8 @@ from dataclasses import replace
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestDelta, RequestOutput
-from kvserve.engine.request import CoreRequest, GenerationRequest
+from kvserve.engine.pooling import EMBEDDING_PARAMS
+from kvserve.engine.request import ChatPrompt, CoreRequest, GenerationRequest
 from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -69,9 +70,27 @@ class LLM:
                                          whole.logprobs, whole.finish_reason, whole.prompt_logprobs))  # fmt: skip
         return outputs
 
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[float]]:
+        """Each prompt's embedding, in order (an engine of `task="embed"`, or a sentence-transformers model)."""
+        if not self.engine.core.embeds:
+            raise ValueError("this engine generates: embeddings need an embedding model (task='embed')")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = self.engine.core.pooler.config
+        prompts = [pooling.prompt(prompt) if isinstance(prompt, str) else prompt for prompt in prompts]
+        requests = [self._checked(prompt, EMBEDDING_PARAMS, None, 0) for prompt in prompts]
+        for request in requests:
+            self.engine.submit(request)
+        vectors: dict[str, list[float]] = {}
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                if delta.embedding is not None:
+                    vectors[delta.request_id] = delta.embedding
+        return [vectors[request.request_id] for request in requests]
+
     def _checked(self, prompt, params: SamplingParams, lora_name: str | None, priority: int) -> CoreRequest:
         """One prompt through the input processor, as the core queues it."""
-        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        prompt = prompt if isinstance(prompt, str | ChatPrompt) else list(prompt)
         lora = self.engine.lora_tag(lora_name)
         processed = self.engine.inputs.process(GenerationRequest([prompt], params, lora=lora, priority=priority))
         token_ids, params = processed.prompt_token_ids[0], processed.params[0]

@@ -28,6 +28,7 @@ from kvserve.engine.gguf_checkpoint import hf_config as gguf_hf_config
 from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, architecture_of, decoder_config_from_hf
 from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm
 from kvserve.engine.models.moe import Experts, SparseMoeBlock
+from kvserve.engine.models.registry import HEADLESS_ARCHITECTURES
 from kvserve.engine.models.rope import RotaryEmbedding
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
@@ -85,6 +86,9 @@ def load_model(
             quantized_layers = compressed_tensors_checkpoint.quantize_layers(model, quantization, tensors, device)
     model.to_empty(device=device)
     model.tie_weights()
+    if is_headless(hf_config) and not config.tie_word_embeddings:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()  # no checkpoint tensor fills it: embeddings never read it
     if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases
         with torch.no_grad():
             for parameter in model.parameters():
@@ -101,7 +105,8 @@ def load_model(
         release_readers()
     else:
         files = _safetensors_files(model_dir)
-        _load_weights(model, files, skip=tensors.consumed if quantization is not None else frozenset())
+        _load_weights(model, files, skip=tensors.consumed if quantization is not None else frozenset(),
+                      headless=is_headless(hf_config))  # fmt: skip
         if quantization is not None:
             file_bytes = sum(path.stat().st_size for path in files)
             compressed_tensors_checkpoint.log_loaded(model, quantization, quantized_layers, file_bytes)
@@ -157,6 +162,11 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}{refused}")
 
 
+def is_headless(hf_config) -> bool:
+    """Whether the checkpoint is a decoder without its LM head (an embedding model's transformer)."""
+    return any(name in HEADLESS_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or [])
+
+
 def checkpoint_destinations(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Each checkpoint tensor's name and the parameter, or part of a packed or stacked parameter, it fills."""
     destinations = {}
@@ -182,11 +192,16 @@ def fused_destinations(model: DecoderForCausalLM) -> dict[str, tuple[torch.Tenso
     return fused
 
 
-def _load_weights(model: DecoderForCausalLM, files: list[Path], skip: set[str] | frozenset = frozenset()) -> None:
+def _load_weights(
+    model: DecoderForCausalLM, files: list[Path], skip: set[str] | frozenset = frozenset(), headless: bool = False
+) -> None:
     """Fill the model's dense parameters from the checkpoint's files (`skip`: tensors already loaded elsewhere, the
-    quantized weights' parts)."""
+    quantized weights' parts; `headless`: a decoder saved without its LM head and its "model." prefix, whose head
+    stays zero)."""
     plan = model.plan
     expected = checkpoint_destinations(model)
+    if headless:
+        expected.pop("lm_head.weight", None)
     destinations = {name: (tensor, [name]) for name, tensor in expected.items()}
     fused = fused_destinations(model)
     destinations.update(fused)
@@ -198,6 +213,8 @@ def _load_weights(model: DecoderForCausalLM, files: list[Path], skip: set[str] |
                     if stored_name in skip:
                         continue
                     name = _renamed(stored_name, model.config.checkpoint_renames)
+                    if headless and name not in destinations:
+                        name = f"model.{name}"
                     if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and model.config.tie_word_embeddings
                     ):

@@ -108,6 +108,8 @@ class OutputProcessor:
         with empty text, so clients see and time every token.
         """
         request_id, params = output.request_id, state.params
+        if output.embedding is not None:
+            return RequestDelta(request_id, [], "", None, STOP.value, num_cached_tokens=0, embedding=output.embedding)
         state.num_tokens += 1
         state.held_token_ids.append(output.token_id)
         if output.prompt_logprobs is not None:

@@ -33,6 +33,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_string: str | None = None  # on the last delta, the stop string that ended the output (not in `text`)
     num_cached_tokens: int | None = None  # once, with the first token: prompt tokens the prefix cache held
+    embedding: list[float] | None = None  # an embedding request's one delta: its vector (no tokens, no text)
 
     @property
     def finished(self) -> bool:
@@ -54,6 +55,7 @@ class RequestDelta:
             prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
             stop_string=last.stop_string,
             num_cached_tokens=next((d.num_cached_tokens for d in deltas if d.num_cached_tokens is not None), None),
+            embedding=last.embedding,
         )
 
 

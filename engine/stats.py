@@ -90,12 +90,13 @@ class StatsTracker:
         pending.num_batched_requests = len(output.scheduled)
         pending.num_batched_tokens = output.num_batched_tokens
         pending.num_preemptions += len(output.preempted)
+        embedded = {out.request_id for out in result.outputs if out.embedding is not None}
         for item in output.scheduled:
             times = self._times.get(item.request.request_id)
             if times is not None and times.first_scheduled_s is None:
                 times.first_scheduled_s = start_s
             if times is not None and item.samples_next_token:
-                self._on_token(times, end_s)
+                self._on_token(times, end_s, generated=item.request.request_id not in embedded)
         for core_output in result.outputs:
             if core_output.finish_reason is not None:
                 self.finished(core_output.request_id, core_output.finish_reason.value)
@@ -140,10 +141,11 @@ class StatsTracker:
         self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit
         return stats
 
-    def _on_token(self, times: _RequestTimes, now_s: float) -> None:
+    def _on_token(self, times: _RequestTimes, now_s: float, generated: bool = True) -> None:
+        """`generated` False: an embedding came out, no token (its prompt and time to it still count)."""
         pending = self._pending
-        pending.num_generation_tokens += 1
-        times.num_generation_tokens += 1
+        pending.num_generation_tokens += generated
+        times.num_generation_tokens += generated
         if times.first_token_s is None:
             times.first_token_s = now_s
             pending.num_prompt_tokens += times.num_prompt_tokens

@@ -18,6 +18,7 @@ class CoreOutput:
     # Once, with the first output after the prompt was scored, if asked for: None for the first prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache held
+    embedding: list[float] | None = None  # an embedding request's vector (its token is none: `token_id` is -1)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.model_loader import checkpoint_dtype, load_model, prepare_weights
 from kvserve.engine.models import DecoderForCausalLM
 from kvserve.engine.parallel.group import TensorParallelGroup
+from kvserve.engine.pooling import read_pooling_config
 from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_inputs import InputBuffers, StepInputs
 from kvserve.engine.step_plan import StepPlan
@@ -35,9 +36,12 @@ class Worker:
     def __init__(
         self, model: DecoderForCausalLM, kv_cache: KVCache, backend: KernelBackend, limits: StepLimits,
         max_num_seqs: int, device: torch.device, lora_slots: ModelLoraSlots | None = None,
+        returns_hidden: bool = False,
     ) -> None:  # fmt: skip
-        """`lora_slots`: the model's adapter slots, when the engine serves adapters."""
+        """`lora_slots`: the model's adapter slots, when the engine serves adapters. `returns_hidden`: a step returns
+        the final norm's hidden states of the rows asked for, not their logits (an embedding model)."""
         self.model, self.kv_cache, self.backend, self.limits, self.device = model, kv_cache, backend, limits, device
+        self.returns_hidden = returns_hidden
         self.layer_caches = paged_kv_layers(kv_cache)
         self.lora_slots = lora_slots
         block_size = kv_cache.spec.block_size
@@ -77,7 +81,8 @@ class Worker:
         with progress.phase("sizing the KV cache"):
             kv_cache = build_kv_cache(config, model, device, limits, backend, group)
         log_kv_cache(model, kv_cache, device, model_dir)
-        worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device, lora_slots)
+        embeds = read_pooling_config(model_dir, config.task, config.pooling, config.normalize) is not None
+        worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device, lora_slots, embeds)
         if device.type == "cuda":
             with progress.phase("compiling and warming up the kernels"):
                 worker.warm_up()
@@ -100,6 +105,8 @@ class Worker:
         with tensor parallelism (rank 0 gathers every rank's vocabulary rows)."""
         inputs = self.inputs.prepare(plan)
         hidden = self.decode_graphs.replay(plan.graph_size) if plan.graph_size else self.forward(inputs)
+        if self.returns_hidden:  # every rank holds the whole hidden state: no gather
+            return hidden.index_select(0, inputs.logit_rows)
         return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows), self.backend)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

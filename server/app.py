@@ -22,6 +22,7 @@ from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.console import ConsoleFiles
 from kvserve.server.context import ServerContext
+from kvserve.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
 from kvserve.server.errors import HANDLED_ERRORS, APIError, handle_exception
 from kvserve.server.lora_routes import add_lora_routes
 from kvserve.server.messages import count_tokens, create_message
@@ -158,6 +159,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=authorized, responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
+
+    @app.post("/v1/embeddings", dependencies=authorized, response_model=EmbeddingResponse,
+              responses=error_responses(400, 401, 404, 429))  # fmt: skip
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await create_embeddings(body, request, ctx)
 
     @app.post("/v1/messages", dependencies=authorized,
               responses=generation_responses(MessageResponse, error_model=AnthropicError))  # fmt: skip

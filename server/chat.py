@@ -117,6 +117,7 @@ async def start_chat(body: ChatCompletionRequest, ctx: ServerContext, request_id
     """Check a chat request (or another protocol's, translated into one) and queue it in the engine: the requests
     and the plan that reads tool calls back out of their output."""
     lora = ctx.lora_of(body.model)
+    ctx.check_generates(body.model)
     check_chat_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")

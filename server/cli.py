@@ -31,8 +31,10 @@ def model_errors() -> tuple[type[Exception], ...]:
     from kvserve.engine.model_loader import CheckpointError
     from kvserve.engine.models import UnsupportedModelError
     from kvserve.engine.parallel.sharding import TensorParallelError
+    from kvserve.engine.pooling import PoolingConfigError
 
-    return CheckpointError, CompressedTensorsError, GgufError, UnsupportedModelError, TensorParallelError
+    return (CheckpointError, CompressedTensorsError, GgufError, UnsupportedModelError, TensorParallelError,
+            PoolingConfigError)  # fmt: skip
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from kvserve.server.supported_fields import check_completion_fields
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
     ctx.check_known_fields(body)
     lora = ctx.lora_of(body.model)
+    ctx.check_generates(body.model)
     check_completion_fields(body)
     prompts = _split_prompts(body.prompt)
     # max_tokens 0 with echo scores the prompt alone (lm-eval's loglikelihood): one token is generated, not returned.

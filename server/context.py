@@ -41,6 +41,12 @@ class ServerContext:
             )  # fmt: skip
         return tag
 
+    def check_generates(self, name: str | None) -> None:
+        """A 400 naming `model` when the server serves an embedding model (it generates nothing)."""
+        if self.engine.pooling is not None:
+            model = name or self.model_name
+            raise bad_request(f"model {model!r} is an embedding model: it serves /v1/embeddings only", param="model")
+
     def response_model(self, lora: AdapterTag | None) -> str:
         """The `model` a response names: the adapter's name, or the base model's."""
         return lora.name if lora is not None else self.model_name

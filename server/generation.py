@@ -29,6 +29,7 @@ class Choice:
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
     num_cached_tokens: int = 0  # of its prompt's tokens, those the prefix cache held
+    embedding: list[float] | None = None  # an embedding request's vector
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: RequestDelta) -> None:
@@ -43,6 +44,8 @@ class Choice:
         self.stop_string = delta.stop_string
         if delta.num_cached_tokens is not None:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
 
     def drop_output(self) -> None:
         """Forget the generated tokens (a request that only scores its prompt generates one, not returned)."""

@@ -43,7 +43,7 @@ OPERATIONS = [
     "GET /health", "GET /metrics", "GET /version", "GET /v1/models", "GET /v1/models/{model_id}",
     "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize", "GET /v1/engine/state",
     "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
-    "POST /v1/messages", "POST /v1/messages/count_tokens",
+    "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/embeddings",
 ]  # fmt: skip
 STREAMING = ["POST /v1/completions", "POST /v1/chat/completions"]
 # Requests that break the schema exist only where there is a body to break; streamed runs hold every SSE event

@@ -151,6 +151,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(DecoderForCausalLM, lambda hf: _gemma(hf, qk_norm=False)),
     "Gemma3ForCausalLM": Architecture(DecoderForCausalLM, lambda hf: _gemma(hf, qk_norm=True)),
 }
+# The same decoders without their LM head, as sentence-transformers saves an embedding model's transformer (its
+# tensors named without the "model." prefix): served for embeddings only.
+HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                          "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}  # fmt: skip
+ARCHITECTURES.update({name: ARCHITECTURES[causal] for name, causal in HEADLESS_ARCHITECTURES.items()})
 
 
 def architecture_of(hf_config) -> Architecture:
