@@ -44,6 +44,7 @@ class Worker:
         self.returns_hidden = returns_hidden
         self.layer_caches = paged_kv_layers(kv_cache)
         self.lora_slots = lora_slots
+        self.max_num_seqs = max_num_seqs
         block_size = kv_cache.spec.block_size
         # A padded decode batch has up to max_num_seqs tokens, maybe more than the token budget.
         self.inputs = InputBuffers(
@@ -119,14 +120,18 @@ class Worker:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Run a prompt chunk, then a decode beside a chunk, in the padding block alone, so every kernel
-        variant a step launches is compiled before the first request; returns the seconds it took."""
+        """Run a prompt chunk, then a decode beside a chunk (a decode alone where a step holds one sequence), in
+        the padding block alone, so every kernel variant a step launches is compiled before the first request;
+        returns the seconds it took."""
         start_s = time.monotonic()
         size, padding_row = self.kv_cache.spec.block_size, self.inputs.block_tables.padding_row
         long_rope = self.inputs.long_rope is not None
         chunk = StepPlan.in_padding_block([size], [size], padding_row, long_rope, logit_rows=(size - 1,))
-        decode_and_chunk = StepPlan.in_padding_block([1, size], [2, size], padding_row, long_rope, (0, size))
-        for plan in (chunk, decode_and_chunk):
+        if self.max_num_seqs >= 2:
+            decode = StepPlan.in_padding_block([1, size], [2, size], padding_row, long_rope, (0, size))
+        else:
+            decode = StepPlan.in_padding_block([1], [2], padding_row, long_rope, (0,))
+        for plan in (chunk, decode):
             self.execute(plan)
             if self.device.type == "cuda":  # the host buffers are rewritten only once the device has read them
                 torch.cuda.synchronize(self.device)

@@ -161,6 +161,14 @@ def test_warm_up_runs_a_chunk_and_a_mixed_step_in_the_padding_block_alone(tiny_c
     assert all(len(output.token_ids) == 2 for output in outputs)
 
 
+def test_warm_up_of_an_engine_of_one_sequence_runs_a_lone_decode(tiny_checkpoints):
+    # A mixed step needs two sequences' rows of the input buffers (the first GPU run: gpu_step_bench's batch 1).
+    llm = LLM(str(tiny_checkpoints["llama"]), kv_cache_memory_bytes=1 << 20, max_num_seqs=1)
+    assert llm.engine.core.runner.worker.warm_up() > 0
+    output = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    assert len(output.token_ids) == 2
+
+
 def test_the_memory_probe_splits_its_prefill_into_prompts_within_the_context(tiny_checkpoints):
     probe = MemoryProbe.of(100, 40, 16)
     inputs = probe.inputs(16, torch.device("cpu"))
