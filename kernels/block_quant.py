@@ -100,7 +100,7 @@ class QuantizedWeight:
 
 def padded_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
     """The weight with zero rows after its own up to `rows` (all-zero bytes are zero values in every format)."""
-    padding = torch.zeros(rows - weight.out_features, weight.data.shape[1], dtype=torch.uint8)
+    padding = weight.data.new_zeros(rows - weight.out_features, weight.data.shape[1])
     return QuantizedWeight(weight.format, torch.cat([weight.data, padding]), weight.in_features)
 
 
@@ -166,7 +166,8 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    high_bits = (blocks[:, 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [block, byte, bit]
+    bits = torch.arange(8, dtype=torch.uint8, device=blocks.device)
+    high_bits = (blocks[:, 2:6].unsqueeze(-1) >> bits) & 1  # [block, byte, bit]
     low, high = _nibbles(blocks[:, 6:])
     quants = torch.cat([low, high], dim=1) + high_bits.reshape(-1, 32).float() * 16
     return _half(blocks, 0) * (quants - 16)
@@ -198,7 +199,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     low_bytes = blocks[:, :128].reshape(-1, 2, 2, 32).long()  # [block, half, byte group (l or l + 32), l]
     high_bytes = blocks[:, 128:192].reshape(-1, 2, 1, 32).long()
     low = torch.stack([low_bytes & 0x0F, low_bytes >> 4], dim=2)  # [block, half, nibble, byte group, l]
-    shifts = torch.arange(4).reshape(1, 1, 2, 2, 1) * 2  # i = 2 * nibble + byte group
+    shifts = torch.arange(4, device=blocks.device).reshape(1, 1, 2, 2, 1) * 2  # i = 2 * nibble + byte group
     high = (high_bytes.unsqueeze(2) >> shifts) & 3
     quants = ((low | (high << 4)) - 32).reshape(-1, 16, 16).float()
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.kernels.block_quant import FORMATS, BlockQuantError, QuantizedWeight, dequantize, quantized_linear
+from kvserve.kernels.block_quant import (
+    FORMATS,
+    BlockQuantError,
+    QuantizedWeight,
+    dequantize,
+    padded_rows,
+    quantized_linear,
+)
 from kvserve.kernels.cpu_extension import load_cpu_kernels
 
 GGML_TYPES = {
@@ -44,6 +51,16 @@ def test_reference_dequantizes_as_gguf_does(name):
     weight = random_weight(name, 6, 512)
     expected = gguf.quants.dequantize(weight.data.numpy(), GGML_TYPES[name])
     np.testing.assert_array_equal(dequantize(weight).numpy(), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(GGML_TYPES))
+def test_reference_makes_every_tensor_on_the_weights_device(name):
+    # On the meta device a tensor made on the CPU cannot meet the weight's (the GPU check found one in q5_0, whose
+    # weight was on CUDA): the torch path serves GGUF weights on any device.
+    weight = random_weight(name, 6, 512)
+    on_meta = padded_rows(QuantizedWeight(weight.format, weight.data.to("meta"), weight.in_features), 8)
+    assert dequantize(on_meta).shape == (8, 512)
+    assert dequantize(on_meta).device.type == "meta"
 
 
 def test_shapes_that_do_not_fit_the_blocks_are_refused():
