@@ -95,6 +95,9 @@ def check_store(checker, device, head_dim) -> None:
             (a, b) for a, b in zip(vars(caches[0]).values(), vars(caches[1]).values(), strict=True) if a is not None
         ]
         difference = max((a.float() - b.float()).abs().max().item() for a, b in tensors)
+        if difference:  # how many, per tensor (in PagedKV's field order): a rounding or a bug
+            counts = [int((a != b).sum()) for a, b in tensors]
+            print(f"     {sum(counts)} of {sum(a.numel() for a, _ in tensors)} stored values differ: {counts}")
         checker.report(f"store, {'int8' if int8 else 'bf16'} cache, head_dim {head_dim}", difference, 0.0)
 
 

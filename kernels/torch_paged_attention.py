@@ -29,7 +29,10 @@ def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """x [..., head_dim] -> int8 data and fp32 scales [...]: scale = absmax / 127, data = x / scale
     rounded to nearest (halves away from zero); an all-zero vector gets scale 0 and zeros."""
     x = x.float()
-    scale = x.abs().amax(dim=-1) / INT8_MAX
+    amax = x.abs().amax(dim=-1)
+    # Divided by a tensor, not the number: on CUDA torch turns division by a Python scalar into multiplication by
+    # its reciprocal, an ulp away from the quotient the kernels compute, and codes near .5 then round apart.
+    scale = amax / amax.new_full((), INT8_MAX)
     scaled = x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
     rounded = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
     return rounded.clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
