@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: one command, about 5 minutes from a cold start (every step has its own time limit;
-# they add up to 340 s, and 60 s more with two GPUs or more), on a machine with an NVIDIA GPU and torch,
+# they add up to 450 s, and 60 s more with two GPUs or more), on a machine with an NVIDIA GPU and torch,
 # triton, transformers and pytest installed (what else kvserve imports comes as wheels: gpu_wheels/, made by
 # benchmarks/gpu_wheels.sh and carried with the working tree, is installed first, offline). In order: the Triton
 # and CUDA-graph tests on CUDA, the kernels against their torch references at production shapes, decode
@@ -10,6 +10,9 @@
 #
 #     bash benchmarks/gpu_check.sh
 #     PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --dry-run   # on a CPU: as the GPU image imports
+#
+# GPU_CHECK_ONLY="kernel_check step_bench" runs those steps alone (after the environment and the wheels): a rerun of
+# what failed, inside what is left of a lease.
 #
 # GPU_WHEELS names the folder of wheels (default gpu_wheels/); the dry run takes wheels built for its own Python.
 #
@@ -35,7 +38,7 @@ ln -s "$PWD/benchmarks" "$link_dir/benchmarks"
 export PYTHONPATH="$link_dir:$link_dir/wheels${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 smoke=()
 wheels_dir=${GPU_WHEELS:-gpu_wheels}
-kernel_check_limit=50
+kernel_check_limit=80
 if [ "$dry_run" -eq 1 ]; then
     # Plugins that the venv's other packages register with pytest would be loaded by name and not be found.
     export PYTHONPATH="$PWD/benchmarks/gpu_image:$PYTHONPATH" TRITON_INTERPRET=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -50,6 +53,10 @@ status=0
 step() {  # step NAME TIMEOUT_S COMMAND...: run with a time limit, log to $out_dir/NAME.log, keep going on failure
     local name=$1 limit=$2
     shift 2
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " environment wheels $GPU_CHECK_ONLY " != *" $name "* ]]; then
+        echo "=== $name: skipped (GPU_CHECK_ONLY=$GPU_CHECK_ONLY)"
+        return
+    fi
     echo "=== $name (limit ${limit}s): $*"
     local start=$SECONDS
     timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$out_dir/$name.log"
@@ -71,9 +78,9 @@ else
     step kernel_tests 75 bash -c "$python -m pytest -q -p no:cacheprovider -k 'not compile' ${kernel_tests[*]} && $python -m pytest -q -p no:cacheprovider tests/test_parity.py -k triton"
 fi
 step kernel_check "$kernel_check_limit" "$python" -m benchmarks.gpu_kernel_check "${smoke[@]}"
-step step_bench 70 "$python" -m benchmarks.gpu_step_bench "${smoke[@]}"
+step step_bench 90 "$python" -m benchmarks.gpu_step_bench "${smoke[@]}"
 step kernel_bench 50 "$python" -m benchmarks.gpu_kernel_bench "${smoke[@]}" --json "$out_dir/kernel_bench.json"
-step engine_bench 80 "$python" -m benchmarks.gpu_engine_bench "${smoke[@]}"
+step engine_bench 110 "$python" -m benchmarks.gpu_engine_bench "${smoke[@]}"
 # Counted by "GPU n:" lines: nvidia-smi -L also lists each MIG instance, on a line of its own.
 num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ "$num_gpus" -ge 2 ]; then

@@ -36,7 +36,7 @@ def decoding_engine(model_dir: Path, shape: dict, batch: int, prompt_len: int, n
     if device.type == "cuda":
         settings["dtype"] = "bfloat16"
     llm = LLM(str(model_dir), **settings)
-    params = SamplingParams(max_tokens=total_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=total_tokens - prompt_len, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request([100 + (i + j) % 5000 for j in range(prompt_len)], params)
     # Each prefill step takes at least one whole prompt: more steps than requests means something is stuck.
