@@ -70,9 +70,11 @@ def read_pooling_config(
     text_as_message = False
     if modules_file.exists():
         found_method, found_normalize = _read_sentence_transformers(model_dir, modules_file)
-        st_config = model_dir / "sentence_bert_config.json"
-        modalities = json.loads(st_config.read_text()).get("modality_config", {}) if st_config.exists() else {}
-        text_as_message = "message" in modalities
+        st_config_file = model_dir / "sentence_bert_config.json"
+        st_config = json.loads(st_config_file.read_text()) if st_config_file.exists() else {}
+        if st_config.get("do_lower_case"):
+            raise PoolingConfigError(f"{model_dir}: lower-casing the input (do_lower_case) is not supported")
+        text_as_message = "message" in st_config.get("modality_config", {})
     dimensions = hf_config.get("matryoshka_dimensions")  # vLLM's key, in the model's config.json
     if dimensions is None and hf_config.get("is_matryoshka"):
         dimensions = ()  # any size

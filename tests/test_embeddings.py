@@ -101,6 +101,13 @@ def test_unsupported_sentence_transformers_modules_are_refused(last_token_model,
     (copy / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(PoolingConfigError, match="Dense"):
         LLM(str(copy), kv_cache_memory_bytes=4 << 20)
+    # sentence-transformers lower-cases the text first where its config says so; kvserve does not, so refuses it.
+    modules.pop()
+    (copy / "modules.json").write_text(json.dumps(modules))
+    st_config = json.loads((last_token_model / "sentence_bert_config.json").read_text())
+    (copy / "sentence_bert_config.json").write_text(json.dumps({**st_config, "do_lower_case": True}))
+    with pytest.raises(PoolingConfigError, match="do_lower_case"):
+        LLM(str(copy), kv_cache_memory_bytes=4 << 20)
 
 
 @pytest.fixture(scope="module")
