@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.step_result import StepResult
 from kvserve.kvcache import KVUsage
-from kvserve.scheduler import LoraRequestCounts, SchedulerStats
+from kvserve.scheduler import LoraRequestCounts, PriorityRequestCounts, SchedulerStats
 
 # Reasons a request can finish with; "error" is a failed step or a request the engine refused late.
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -57,6 +57,7 @@ class StepStats:
     expert_tokens: list[int] = field(default_factory=list)
     num_dropped_kv_events: int = 0  # KV-cache events the publisher's full queue turned away
     lora_requests: LoraRequestCounts | None = None  # requests per LoRA adapter, when the engine serves adapters
+    priority_requests: PriorityRequestCounts | None = None  # requests per priority, under the priority policy
 
 
 @dataclass
@@ -136,6 +137,7 @@ class StatsTracker:
             expert_tokens=expert_tokens or [],
             num_dropped_kv_events=num_dropped_kv_events - self._num_dropped_kv_events,
             lora_requests=queues.lora_requests,
+            priority_requests=queues.priority_requests,
         )
         self._num_dropped_kv_events = num_dropped_kv_events
         self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit

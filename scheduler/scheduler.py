@@ -22,7 +22,13 @@ from kvserve.kvcache import BlockAllocator, BlockHasher, KVUsage, block_extra_ke
 from kvserve.scheduler.config import SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_queue import WaitingQueue, priority_order, waiting_queue
-from kvserve.scheduler.scheduler_output import LoraRequestCounts, ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvserve.scheduler.scheduler_output import (
+    LoraRequestCounts,
+    PriorityRequestCounts,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 
 class Scheduler:
@@ -150,7 +156,14 @@ class Scheduler:
             prefix_cache_queried_tokens=self.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
             lora_requests=self._lora_requests() if self.config.max_loras else None,
+            priority_requests=self._priority_requests() if self.config.policy == "priority" else None,
         )
+
+    def _priority_requests(self) -> PriorityRequestCounts:
+        def per_priority(requests) -> dict[int, int]:
+            return dict(sorted(Counter(request.priority for request in requests).items()))
+
+        return PriorityRequestCounts(per_priority(self.running), per_priority(self.waiting))
 
     def _lora_requests(self) -> LoraRequestCounts:
         def per_adapter(requests) -> dict[str, int]:

@@ -54,6 +54,14 @@ class LoraRequestCounts:
 
 
 @dataclass(frozen=True)
+class PriorityRequestCounts:
+    """Requests per priority value, running and waiting (under the priority policy)."""
+
+    running: dict[int, int]
+    waiting: dict[int, int]
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     """The queues and the KV cache as they are between two steps."""
 
@@ -64,3 +72,4 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int  # totals since start
     prefix_cache_hit_tokens: int
     lora_requests: LoraRequestCounts | None = None  # when the engine serves LoRA adapters
+    priority_requests: PriorityRequestCounts | None = None  # under the priority policy

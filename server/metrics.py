@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine.stats import FINISH_REASONS, StepStats
-from kvserve.scheduler import LoraRequestCounts
+from kvserve.scheduler import LoraRequestCounts, PriorityRequestCounts
 from kvserve.server.bulk_histogram import BulkHistogram, BulkHistogramCollector
 from kvserve.server.inference_extension import InferenceExtensionMetrics
 
@@ -150,6 +150,14 @@ class ServerMetrics:
                                    ["model_name", "lora_name"], registry=self.registry)  # fmt: skip
         self._lora_waiting = Gauge(PREFIX + "lora_requests_waiting", "Waiting requests of each LoRA adapter.",
                                    ["model_name", "lora_name"], registry=self.registry)  # fmt: skip
+        self._priority_running = Gauge(
+            PREFIX + "num_requests_running_by_priority", "Running requests of each priority (priority policy).",
+            ["model_name", "priority"], registry=self.registry,
+        )  # fmt: skip
+        self._priority_waiting = Gauge(
+            PREFIX + "num_requests_waiting_by_priority", "Waiting requests of each priority (priority policy).",
+            ["model_name", "priority"], registry=self.registry,
+        )  # fmt: skip
 
     def record_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every loop iteration."""
@@ -180,6 +188,8 @@ class ServerMetrics:
             self._record_expert_tokens(stats.expert_tokens)
         if stats.lora_requests is not None:
             self._record_lora_requests(stats.lora_requests)
+        if stats.priority_requests is not None:
+            self._record_priority_requests(stats.priority_requests)
         self.time_to_first_token.observe_all(stats.time_to_first_token_s)
         self.inter_token_latency.observe_all(stats.inter_token_latency_s)
         for reason in stats.finish_reasons:
@@ -199,6 +209,13 @@ class ServerMetrics:
             gauge.clear()
             for name, count in per_adapter.items():
                 gauge.labels(self._model_name, name).set(count)
+
+    def _record_priority_requests(self, counts: PriorityRequestCounts) -> None:
+        """Per priority with requests now: the label set stays as small as the priorities in use."""
+        for gauge, per_priority in ((self._priority_running, counts.running), (self._priority_waiting, counts.waiting)):
+            gauge.clear()
+            for priority, count in per_priority.items():
+                gauge.labels(self._model_name, str(priority)).set(count)
 
     def _record_expert_tokens(self, expert_tokens: list[int]) -> None:
         for expert, tokens in enumerate(expert_tokens):

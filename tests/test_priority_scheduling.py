@@ -172,6 +172,9 @@ def test_a_higher_priority_request_preempts_the_running_one_as_the_state_and_met
         assert [row["priority"] for row in requests["running"]] == [0]
         assert requests["waiting_by_priority"] == [[2, 1], [9, 2]] and requests["num_preempted_waiting"] == 1
         assert priority_server.metric("preemptions_total") == preemptions_before + 1
+        wait_for(lambda: priority_server.metric("num_requests_running_by_priority", priority="0") == 1)
+        waiting = {p: priority_server.metric("num_requests_waiting_by_priority", priority=p) for p in ("0", "2", "9")}
+        assert waiting == {"0": None, "2": 1, "9": 2}  # a priority with no request has no series
     priority_server.wait_until_idle()
     assert priority_server.engine.kv_usage().num_used_blocks == 0
 

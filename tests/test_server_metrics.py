@@ -37,6 +37,8 @@ EXPECTED_TYPES = {
     "kvserve:moe_expert_load_imbalance": "gauge",
     "kvserve:lora_requests_running": "gauge",
     "kvserve:lora_requests_waiting": "gauge",
+    "kvserve:num_requests_running_by_priority": "gauge",
+    "kvserve:num_requests_waiting_by_priority": "gauge",
     "kvserve:requests_finished": "counter",
     "kvserve:requests_rejected": "counter",
     "kvserve:http_requests": "counter",
@@ -58,6 +60,8 @@ EXTRA_LABELS = {  # beyond model_name (and a histogram bucket's `le`)
     "kvserve:moe_expert_tokens": {"expert"},
     "kvserve:lora_requests_running": {"lora_name"},
     "kvserve:lora_requests_waiting": {"lora_name"},
+    "kvserve:num_requests_running_by_priority": {"priority"},
+    "kvserve:num_requests_waiting_by_priority": {"priority"},
 }
 
 
