@@ -57,7 +57,12 @@ def read_event(endpoint: Endpoint, event: dict) -> StreamEvent:
     if kind == "content_block_delta":
         return StreamEvent(carries_tokens=True)
     if kind == "message_start":
-        return StreamEvent(prompt_tokens=((event.get("message") or {}).get("usage") or {}).get("input_tokens"))
+        usage = (event.get("message") or {}).get("usage") or {}
+        if "input_tokens" not in usage:
+            return StreamEvent()
+        # Anthropic counts the prompt tokens read from the cache apart from input_tokens: the prompt is all of them.
+        cached = sum(usage.get(key) or 0 for key in ("cache_read_input_tokens", "cache_creation_input_tokens"))
+        return StreamEvent(prompt_tokens=usage["input_tokens"] + cached)
     if kind == "message_delta":
         return StreamEvent(output_tokens=(event.get("usage") or {}).get("output_tokens"))
     return StreamEvent()
