@@ -1,8 +1,25 @@
 """What an attention call needs to know about the batch, passed explicitly to every layer."""
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+
+# A sequence with up to this many new tokens can have each of them attended as a decode of its own (`decode_rows`):
+# one pass over its context per token, which beats a prompt-chunk kernel's setup for a few tokens (draft
+# verification: a request's last token and its drafts), not for a chunk of hundreds.
+MAX_QUERY_LEN_AS_DECODES = 16
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The leading `num_seqs` sequences' `num_tokens` new tokens as decode queries: token j of a sequence of
+    context L and q new tokens reads that sequence's blocks up to its own position, L - q + 1 + j positions."""
+
+    num_seqs: int
+    num_tokens: int
+    block_tables: torch.Tensor  # [num_tokens, max_num_blocks] int32
+    seq_lens: torch.Tensor  # [num_tokens] int32
 
 
 @dataclass(frozen=True)
@@ -36,3 +53,20 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def decode_rows(self) -> DecodeRows:
+        """The leading sequences of at most MAX_QUERY_LEN_AS_DECODES new tokens, as one decode query per token (built
+        once a step, on first use): the tables themselves when each has one token."""
+        lens = self.query_lens_cpu
+        num_seqs = next((i for i, query_len in enumerate(lens) if query_len > MAX_QUERY_LEN_AS_DECODES), len(lens))
+        if num_seqs == self.num_decodes:
+            return DecodeRows(num_seqs, num_seqs, self.block_tables[:num_seqs], self.seq_lens[:num_seqs])
+        seq_index, seq_lens = [], []
+        for i, (query_len, seq_len) in enumerate(zip(lens[:num_seqs], self.seq_lens_cpu, strict=False)):
+            seq_index += [i] * query_len
+            seq_lens += range(seq_len - query_len + 1, seq_len + 1)
+        device = self.block_tables.device
+        block_tables = self.block_tables.index_select(0, torch.tensor(seq_index, device=device))
+        row_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        return DecodeRows(num_seqs, len(seq_index), block_tables, row_seq_lens)

@@ -77,13 +77,14 @@ class CpuBackend:
             # The C++ decode kernel has neither: Gemma's layers take the torch path.
             return torch_paged_attention.paged_attention(query, cache, metadata, scale, sliding_window, logit_softcap)
         out = torch.empty_like(query)
-        num_decodes = metadata.num_decodes
-        if num_decodes:
+        # Decodes, and the few tokens of a request verifying drafts, through the decode kernel, a query row each.
+        rows = metadata.decode_rows
+        if rows.num_tokens:
             torch.ops.kvserve_cpu.paged_decode_attention(
-                out[:num_decodes], query[:num_decodes], cache.key, cache.value, cache.key_scale,
-                cache.value_scale, metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes], scale,
+                out[: rows.num_tokens], query[: rows.num_tokens], cache.key, cache.value, cache.key_scale,
+                cache.value_scale, rows.block_tables, rows.seq_lens, scale,
             )  # fmt: skip
-        torch_paged_attention.extend_attention(query, cache, metadata, scale, out, first_seq=num_decodes)
+        torch_paged_attention.extend_attention(query, cache, metadata, scale, out, first_seq=rows.num_seqs)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

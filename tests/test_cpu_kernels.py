@@ -98,6 +98,20 @@ def test_backend_runs_decodes_and_prompt_chunks_of_one_step():
     assert_close(actual, reference(batch), torch.float32)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_few_tokens_per_request_run_as_decodes_of_their_own(int8):
+    # Requests verifying drafts (a few tokens after their context) among decodes, then a prompt chunk too long for
+    # that, then a short one after it: the leading short ones go through the decode kernel a token a row, causally.
+    query_lens = [1, 5, 1, 3, 40, 2]
+    seq_lens = [30, 21, 17, 9, 56, 6]
+    batch = make_batch(query_lens, seq_lens, 8, 2, torch.float32, seed=5, device=CPU, int8=int8)
+    rows = batch.metadata.decode_rows
+    assert (rows.num_seqs, rows.num_tokens) == (4, 10)
+    assert rows.seq_lens.tolist() == [30, 17, 18, 19, 20, 21, 17, 7, 8, 9]
+    actual = BACKEND.paged_attention(batch.query, batch.cache, batch.metadata, HEAD_DIM**-0.5)
+    assert_close(actual, reference(batch), torch.float32)
+
+
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.0, torch.float16: 0.0}
 
 
