@@ -6,6 +6,7 @@ from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.speculative import SpeculativeConfig
 
 __all__ = [
     "LLM",
@@ -15,5 +16,6 @@ __all__ = [
     "RequestDelta",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "TokenLogprob",
 ]

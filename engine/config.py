@@ -5,6 +5,7 @@ from typing import Literal
 
 import torch
 
+from kvserve.engine.speculative.config import SpeculativeConfig
 from kvserve.kernels import check_backend_name
 from kvserve.scheduler import SCHEDULING_POLICIES, SchedulingPolicy
 
@@ -62,6 +63,8 @@ class EngineConfig:
     scheduling_policy: "fcfs" (arrival order; a request's `priority` must be 0) or "priority" (vLLM's: the waiting
         queue ordered by (priority, arrival), lower values first; the lowest-priority running request is preempted
         when memory runs short, and a waiting request that does not fit preempts running ones of lower priority).
+    speculative_config: speculative decoding (engine/speculative/config.py: vLLM's keys, method "ngram"; a dict of
+        them is taken too); None: off.
     """
 
     model: str | None = None
@@ -100,6 +103,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
     scheduling_policy: SchedulingPolicy = "fcfs"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -122,6 +126,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {policies}, got {self.scheduling_policy!r}")
         self._check_kv_events()
         self._check_lora()
+        if isinstance(self.speculative_config, dict):  # vLLM's form: LLM(model, speculative_config={...})
+            object.__setattr__(self, "speculative_config", SpeculativeConfig(**self.speculative_config))
 
     def _check_kv_events(self) -> None:
         if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:

@@ -2,14 +2,18 @@
 
 It queues `CoreRequest`s the input processor accepted and, each step, schedules a batch, runs the model, samples
 one token for every request that reached its last token, and applies the stop conditions it can see without text:
-stop tokens (EOS unless ignored, `stop_token_ids`), `max_tokens`, and a grammar that rejects a token. What a step
-did comes back as one typed `StepResult`; text, stop strings and deltas are the output processor's.
+stop tokens (EOS unless ignored, `stop_token_ids`), `max_tokens`, and a grammar that rejects a token. With
+speculative decoding on, a decoding request also runs the draft tokens the proposer gives it and gets every draft
+the model's choice agrees with, then the model's own next token, in one step (greedy: the same tokens as without
+drafts; sampled: the same distribution).
+What a step did comes back as one typed `StepResult`; text, stop strings and deltas are the output processor's.
 
 Besides the step it keeps the policies that decide what a step computes: prompt logprobs (`PromptScoring`), and
 LongRoPE's rule that a sequence grown past the original context computes its cache again with the long rotary set.
 """
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +33,7 @@ from kvserve.engine.prompt_scoring import PromptScoring
 from kvserve.engine.request import CoreRequest
 from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.speculative import NgramProposer, SpeculationController, SpeculativeConfig, num_accepted_drafts
 from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
 from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
@@ -113,6 +118,19 @@ class EngineCore:
         self._sampling: dict[str, _Sampling] = {}
         self._prompt_scoring = PromptScoring()
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
+        self.proposer, self.speculation = self._speculation(config.speculative_config)
+
+    def _speculation(
+        self, config: SpeculativeConfig | None
+    ) -> tuple[NgramProposer | None, SpeculationController | None]:
+        if config is None:
+            return None, None
+        if self.pooler is not None:
+            raise ValueError("speculative_config is for generation; this engine makes embeddings")
+        if self.runner.worker.inputs.long_rope is not None:
+            # A draft past the original context would need the long rotary set before the request is that long.
+            raise ValueError("speculative_config is not supported with LongRoPE models (Phi-3 long-context) yet")
+        return NgramProposer(config), SpeculationController(config.num_speculative_tokens, config.adaptive)
 
     def _start_kv_events(self, config: EngineConfig) -> "KVEventPublisher | None":
         if config.kv_events_endpoint is None:
@@ -200,19 +218,24 @@ class EngineCore:
         """Run one batch; the token of every request that sampled, and what ran."""
         if self.runner.worker.inputs.long_rope is not None:
             self._recompute_requests_grown_past_short_rope()
+        start_s = time.perf_counter()
+        speculating = self.proposer is not None and self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return EMPTY_STEP
         if self.pooler is not None:
             return self._embedding_step(scheduler_output)
-        states, sampling, rows = self._sampling, [], []
+        states, sampling, rows, num_draft_rows = self._sampling, [], [], 0
         for item in scheduler_output.scheduled:
             if item.samples_next_token:
                 request = item.request
                 state = states[request.request_id]
-                sampling.append((request, state))
+                sampling.append((request, state, item.num_draft_tokens))
                 min_tokens = state.params.min_tokens
                 rows.append(state.row if not min_tokens else self._sampling_row(request, state))
+                if item.num_draft_tokens:  # nothing in the row depends on the tokens before (see _speculates)
+                    rows += [rows[-1]] * item.num_draft_tokens
+                    num_draft_rows += item.num_draft_tokens
         prompt_rows, prompt_targets = self._prompt_scoring.rows(scheduler_output)
         lora_slots = None
         if self.loras is not None:
@@ -221,22 +244,80 @@ class EngineCore:
         if prompt_rows:
             self._prompt_scoring.record(logits[len(rows) :], prompt_targets)
         sampled = sample(logits[: len(rows)], rows, self._generator, self._token_masks)
-        self.scheduler.update(scheduler_output, sampled.token_ids)
-        outputs, logprobs = [], sampled.logprobs
-        for index, ((request, state), token_id) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
-            logprob = logprobs.get(index) if logprobs else None
-            output = CoreOutput(request.request_id, token_id, logprob, self._finish_reason(request, state, token_id))
-            if state.params.prompt_logprobs is not None:
-                output.prompt_logprobs = self._prompt_scoring.take_complete(request)
-            if len(request.output_token_ids) == 1:
-                output.num_cached_tokens = request.num_cached_tokens
-            if output.finish_reason is not None:
-                self.scheduler.finish(request, output.finish_reason)
-                self._forget(request.request_id)
-            outputs.append(output)
+        new_tokens, num_accepted = None, []
+        if num_draft_rows:
+            new_tokens, num_accepted = _verify_drafts(sampling, sampled.token_ids)
+            self.scheduler.update(scheduler_output, [tokens[-1] for tokens in new_tokens], num_accepted)
+            accepted = iter(num_accepted)
+            for request, _, num_drafts in sampling:
+                if num_drafts:
+                    self.speculation.verified(request.request_id, num_drafts, next(accepted))
+        else:
+            self.scheduler.update(scheduler_output, sampled.token_ids)
+        outputs, logprobs, row = [], sampled.logprobs, 0
+        for index, (request, state, num_drafts) in enumerate(sampling):
+            # Without drafts, one token a request; with them, a request's accepted drafts and the token after them.
+            tokens = (sampled.token_ids[index],) if new_tokens is None else new_tokens[index]
+            first_row, row = row, row + 1 + num_drafts  # a token's logprobs are its row's
+            num_before = len(request.output_token_ids) - len(tokens)
+            for position, token_id in enumerate(tokens):
+                logprob = logprobs.get(first_row + position) if logprobs else None
+                reason = self._finish_reason(request, state, token_id, num_before + position + 1)
+                output = CoreOutput(request.request_id, token_id, logprob, reason)
+                if position == 0 and state.params.prompt_logprobs is not None:
+                    output.prompt_logprobs = self._prompt_scoring.take_complete(request)
+                if num_before + position == 0:
+                    output.num_cached_tokens = request.num_cached_tokens
+                outputs.append(output)
+                if reason is not None:
+                    del request.output_token_ids[num_before + position + 1 :]  # accepted drafts after a stop token
+                    self.scheduler.finish(request, reason)
+                    self._forget(request.request_id)
+                    break
         if self.kv_events is not None:
             self._publish_kv_events()
-        return StepResult(outputs, scheduler_output)
+        if self.speculation is not None and len(sampling) == len(scheduler_output.scheduled) == (
+            scheduler_output.num_batched_tokens - num_draft_rows
+        ):  # a pure decode step: its rate, for deciding whether to speculate at this batch size
+            self.speculation.stepped(len(sampling), speculating, len(outputs), time.perf_counter() - start_s)
+        return StepResult(outputs, scheduler_output, sum(num_accepted))
+
+    def _propose_drafts(self) -> bool:
+        """Draft tokens for every decoding request that speculates, when the controller says this batch size gains
+        by it (none for the others): as many as its acceptance earns, never past its max_tokens or the context
+        window. Whether the step speculates."""
+        decoding = [request for request in self.scheduler.running if request.num_uncomputed_tokens == 1]
+        speculating = self.speculation.speculates(len(decoding))
+        for request in self.scheduler.running:
+            request.draft_token_ids = []
+        if not speculating:
+            return False
+        max_model_len = self.limits.max_model_len
+        for request in decoding:
+            state = self._sampling[request.request_id]
+            room = min(
+                self.speculation.num_drafts(request.request_id),
+                state.params.max_tokens - len(request.output_token_ids) - 1,
+                max_model_len - request.num_tokens - 1,
+            )
+            if room > 0 and self._speculates(request, state):
+                request.draft_token_ids = self.proposer.propose(
+                    request.prompt_token_ids + request.output_token_ids, room
+                )
+        return True
+
+    @staticmethod
+    def _speculates(request: Request, state: "_Sampling") -> bool:
+        """Whether the request verifies drafts: its row must not depend on the tokens before it (penalties, a
+        grammar, min_tokens still to reach), since every row of a verifying step samples with its first row's
+        settings; the rule that then keeps its output's distribution is `num_accepted_drafts`'."""
+        row, params = state.row, state.params
+        return (
+            row.penalties is None
+            and row.grammar is None
+            and params.prompt_logprobs is None
+            and len(request.output_token_ids) >= params.min_tokens
+        )
 
     def _embedding_step(self, scheduler_output: SchedulerOutput) -> StepResult:
         """Run one batch of embedding requests' prompt chunks; each request whose prompt is done finishes with its
@@ -273,8 +354,11 @@ class EngineCore:
     def num_dropped_kv_events(self) -> int:
         return self.kv_events.num_dropped_events if self.kv_events is not None else 0
 
-    def _finish_reason(self, request: Request, sampling: "_Sampling", token_id: int) -> FinishReason | None:
-        """Why the token ends the request, if it does: a stop token, max_tokens, or a grammar that rejects it."""
+    def _finish_reason(
+        self, request: Request, sampling: "_Sampling", token_id: int, num_output_tokens: int
+    ) -> FinishReason | None:
+        """Why the token, the request's `num_output_tokens`-th, ends it, if it does: a stop token, max_tokens, or a
+        grammar that rejects it."""
         grammar = sampling.row.grammar
         if grammar is not None and not grammar.consume_token(token_id):
             # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
@@ -282,7 +366,7 @@ class EngineCore:
             return FinishReason.ABORT
         if token_id in sampling.stop_token_ids:
             return FinishReason.STOP
-        if len(request.output_token_ids) >= sampling.params.max_tokens:
+        if num_output_tokens >= sampling.params.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -296,6 +380,8 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         lora = self._sampling.pop(request_id).lora
+        if self.speculation is not None:
+            self.speculation.forget(request_id)
         self._prompt_scoring.discard(request_id)
         if self.pooler is not None:
             self.pooler.discard(request_id)
@@ -388,6 +474,23 @@ class EngineCore:
     @property
     def is_tensor_parallel(self) -> bool:
         return self.ranks is not None
+
+
+def _verify_drafts(
+    sampling: list[tuple[Request, "_Sampling", int]], target_token_ids: list[int]
+) -> tuple[list[list[int]], list[int]]:
+    """Each sampling request's new tokens (its accepted drafts, then the target's token after them), and for each
+    request with drafts, how many were accepted. `target_token_ids`: the sampled token of every logit row."""
+    new_tokens, num_accepted, row = [], [], 0
+    for request, _, num_drafts in sampling:
+        targets = target_token_ids[row : row + 1 + num_drafts]
+        row += 1 + num_drafts
+        if num_drafts:
+            accepted = num_accepted_drafts(request.draft_token_ids[:num_drafts], targets)
+            num_accepted.append(accepted)
+            targets = targets[: accepted + 1]
+        new_tokens.append(targets)
+    return new_tokens, num_accepted
 
 
 def _keep_out_of_prefix_cache(request: Request) -> None:

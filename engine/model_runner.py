@@ -18,8 +18,9 @@ class ModelRunner:
     def execute(
         self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, lora_slots: list[int] | None = None
     ) -> torch.Tensor:
-        """Logits [num_sampling_requests + len(extra_logit_rows), vocab_size] (fp32): first those of the scheduled
-        requests that sample, in order, then those of `extra_logit_rows` (indices into the step's tokens).
+        """Logits [num_sampling_rows + len(extra_logit_rows), vocab_size] (fp32): first those of the scheduled
+        requests that sample, in order (one each, or 1 + its draft tokens for a request with drafts), then those of
+        `extra_logit_rows` (indices into the step's tokens).
         `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
         graphs = self.worker.decode_graphs
         graph_size = graphs.size_for(output) if graphs is not None else 0

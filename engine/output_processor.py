@@ -68,7 +68,9 @@ class OutputProcessor:
         return request_id in self._states
 
     def process(self, outputs: list[CoreOutput]) -> ProcessedOutputs:
-        deltas, stopped = [], []
+        """One delta per request that released something: a request that got several tokens in the step (accepted
+        draft tokens) gets them in one delta."""
+        deltas, stopped, delta_index = [], [], {}
         for output in outputs:
             state = self._states.get(output.request_id)
             if state is None:  # finished here by a stop string (or aborted) before the core heard of it
@@ -76,7 +78,11 @@ class OutputProcessor:
             delta = self._process(state, output)
             if delta is None:
                 continue
-            deltas.append(delta)
+            index = delta_index.setdefault(output.request_id, len(deltas))
+            if index < len(deltas):
+                deltas[index] = RequestDelta.merge([deltas[index], delta])
+            else:
+                deltas.append(delta)
             if delta.finished:
                 del self._states[output.request_id]
                 if output.finish_reason is None:

@@ -6,6 +6,7 @@ last one. Nothing here knows about Prometheus or HTTP; the work per step is a fe
 per scheduled request, so it costs the loop next to nothing.
 """
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.engine.step_result import StepResult
@@ -33,6 +34,16 @@ class CompletedRequestStats:
     decode_time_s: float
 
 
+@dataclass
+class SpecDecodeCounts:
+    """Speculative decoding (vLLM's counters): requests that verified drafts in a step (one each per step), the
+    draft tokens verified, and those accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class StepStats:
     """One engine loop iteration: the queues and KV cache after it, and what it added up to."""
@@ -58,6 +69,7 @@ class StepStats:
     num_dropped_kv_events: int = 0  # KV-cache events the publisher's full queue turned away
     lora_requests: LoraRequestCounts | None = None  # requests per LoRA adapter, when the engine serves adapters
     priority_requests: PriorityRequestCounts | None = None  # requests per priority, under the priority policy
+    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's drafts since the last report, if any
 
 
 @dataclass
@@ -92,12 +104,22 @@ class StatsTracker:
         pending.num_batched_tokens = output.num_batched_tokens
         pending.num_preemptions += len(output.preempted)
         embedded = {out.request_id for out in result.outputs if out.embedding is not None}
+        tokens_per_request = None  # a step with drafts: how many tokens each request got
         for item in output.scheduled:
             times = self._times.get(item.request.request_id)
             if times is not None and times.first_scheduled_s is None:
                 times.first_scheduled_s = start_s
+            num_tokens = 1
+            if item.num_draft_tokens:
+                if tokens_per_request is None:
+                    tokens_per_request = Counter(out.request_id for out in result.outputs)
+                    pending.spec_decode = pending.spec_decode or SpecDecodeCounts()
+                    pending.spec_decode.num_accepted_tokens += result.num_accepted_draft_tokens
+                num_tokens = tokens_per_request[item.request.request_id]
+                pending.spec_decode.num_drafts += 1
+                pending.spec_decode.num_draft_tokens += item.num_draft_tokens
             if times is not None and item.samples_next_token:
-                self._on_token(times, end_s, generated=item.request.request_id not in embedded)
+                self._on_token(times, end_s, generated=item.request.request_id not in embedded, num_tokens=num_tokens)
         for core_output in result.outputs:
             if core_output.finish_reason is not None:
                 self.finished(core_output.request_id, core_output.finish_reason.value)
@@ -138,16 +160,18 @@ class StatsTracker:
             num_dropped_kv_events=num_dropped_kv_events - self._num_dropped_kv_events,
             lora_requests=queues.lora_requests,
             priority_requests=queues.priority_requests,
+            spec_decode=pending.spec_decode,
         )
         self._num_dropped_kv_events = num_dropped_kv_events
         self._prefix_cache_queried_tokens, self._prefix_cache_hit_tokens = queried, hit
         return stats
 
-    def _on_token(self, times: _RequestTimes, now_s: float, generated: bool = True) -> None:
-        """`generated` False: an embedding came out, no token (its prompt and time to it still count)."""
+    def _on_token(self, times: _RequestTimes, now_s: float, generated: bool = True, num_tokens: int = 1) -> None:
+        """`num_tokens` came out of a step for one request (several: accepted drafts); `generated` False: an
+        embedding came out, no token (its prompt and time to it still count). One inter-token latency a step."""
         pending = self._pending
-        pending.num_generation_tokens += generated
-        times.num_generation_tokens += generated
+        pending.num_generation_tokens += generated * num_tokens
+        times.num_generation_tokens += generated * num_tokens
         if times.first_token_s is None:
             times.first_token_s = now_s
             pending.num_prompt_tokens += times.num_prompt_tokens
@@ -170,6 +194,7 @@ class _Pending:
     inter_token_latency_s: list[float] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     completed: list[CompletedRequestStats] = field(default_factory=list)
+    spec_decode: SpecDecodeCounts | None = None
 
 
 def _completed(times: _RequestTimes) -> CompletedRequestStats:

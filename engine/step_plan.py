@@ -124,7 +124,8 @@ class StepPlanner:
         lora_slots: list[int] | None = None,
     ) -> StepPlan:  # fmt: skip
         """The step's plan: the scheduled requests' tokens, then (to `graph_size`) padding sequences; the logits
-        of each request that samples, in schedule order, then of `extra_logit_rows` (rows of the step's tokens).
+        of each request that samples, in schedule order (a request with draft tokens: of its last token and of each
+        draft), then of `extra_logit_rows` (rows of the step's tokens).
         `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
         for request_id in output.left_running:
             self.release(request_id)
@@ -137,6 +138,9 @@ class StepPlanner:
             output_start = start - len(request.prompt_token_ids)
             if num_new_tokens == 1 and output_start >= 0:  # a decode: its last sampled token
                 token_ids.append(request.output_token_ids[output_start])
+            elif item.num_draft_tokens:  # a decode and its drafts after it
+                token_ids += request.token_ids(start, start + 1)
+                token_ids += request.draft_token_ids[: item.num_draft_tokens]
             else:
                 token_ids += request.token_ids(start, end)
             query_lens.append(num_new_tokens)
@@ -145,7 +149,9 @@ class StepPlanner:
             if row is None or num_written[row] != len(request.block_ids):  # new to the batch, or given blocks
                 row = self._row(request, entry_rows, entry_columns, entry_blocks)
             rows.append(row)
-            if item.samples_next_token:
+            if item.num_draft_tokens:  # every row: each checks the draft after it, the last gives one more token
+                sample_rows += range(len(token_ids) - 1 - item.num_draft_tokens, len(token_ids))
+            elif item.samples_next_token:
                 sample_rows.append(len(token_ids) - 1)
         num_padding = graph_size - len(rows) if graph_size else 0
         sequence_lens = None

@@ -8,7 +8,7 @@ from kvserve.scheduler import FinishReason, SchedulerOutput
 
 @dataclass(slots=True)  # not frozen: one per request per step, and a frozen init is 4x slower
 class CoreOutput:
-    """One request's news from a step: its new token, and whether the core finished it (a stop token, max_tokens,
+    """One request's news from a step: a new token, and whether the core finished it (a stop token, max_tokens,
     or a grammar that rejected the token). Stop strings are the output processor's: it sees the text."""
 
     request_id: str
@@ -23,8 +23,11 @@ class CoreOutput:
 
 @dataclass(frozen=True)
 class StepResult:
-    outputs: list[CoreOutput]  # one per request that sampled a token, in schedule order
-    scheduled: SchedulerOutput  # what ran: the batch, its tokens, the preemptions
+    # One per token a request got, in schedule order: one per request that sampled, or with speculative decoding
+    # several in a row for a request whose drafts were accepted (up to a token that finished it).
+    outputs: list[CoreOutput]
+    scheduled: SchedulerOutput  # what ran: the batch, its tokens (drafts among them), the preemptions
+    num_accepted_draft_tokens: int = 0  # of the scheduled draft tokens, those verification accepted
 
     @property
     def ran_model(self) -> bool:

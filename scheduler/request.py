@@ -44,6 +44,9 @@ class Request:
     priority: int = 0  # under the priority policy, lower runs first (and is preempted last)
     arrival_index: int = 0  # its place in the order of arrival, set by Scheduler.add
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it was first admitted
+    # Speculative decoding: tokens proposed to follow the last output token, run in the next step beside it so that
+    # one forward verifies them (as many as fit); the engine core sets them before every schedule.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -72,8 +72,11 @@ class Scheduler:
             elif token_budget and computed < len(request.block_ids) * block_size:
                 # The common case, kept short (every decoding request, every step): one token into the room left
                 # in its last block.
-                scheduled[request] = ScheduledRequest(request, 1, computed, True)
-                token_budget -= 1
+                if request.draft_token_ids:
+                    token_budget = self._schedule_with_drafts(request, token_budget, scheduled)
+                else:
+                    scheduled[request] = ScheduledRequest(request, 1, computed, True)
+                    token_budget -= 1
             elif request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
                 token_budget = self._schedule_growing(request, token_budget, scheduled, preempted)
         for request in prefilling:
@@ -101,16 +104,44 @@ class Scheduler:
             token_budget -= num_new_tokens
         return token_budget
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+    def _schedule_with_drafts(
+        self, request: Request, token_budget: int, scheduled: dict[Request, ScheduledRequest]
+    ) -> int:
+        """A decode with as many of its draft tokens as the budget and blocks allow: the room left in its last block,
+        then free blocks above the watermark. Drafts never preempt anyone: they are a guess. The budget left."""
+        computed, block_size = request.num_computed_tokens, self.block_size
+        num_drafts = min(len(request.draft_token_ids), token_budget - 1)
+        room = len(request.block_ids) * block_size - computed - 1
+        if num_drafts > room:
+            spare_blocks = max(0, self.allocator.num_free_blocks - self.config.watermark_blocks)
+            num_blocks = min(-(-(num_drafts - room) // block_size), spare_blocks)
+            request.block_ids.extend(self.allocator.allocate(num_blocks))
+            num_drafts = min(num_drafts, room + num_blocks * block_size)
+        scheduled[request] = ScheduledRequest(request, 1 + num_drafts, computed, True, num_drafts)
+        return token_budget - 1 - num_drafts
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: list[int], num_accepted_drafts: list[int] | None = None
+    ) -> None:
         """Record a finished step: computed tokens advance, sampling requests get their token.
 
-        `sampled_token_ids` holds one id per scheduled request that samples, in schedule order.
+        `sampled_token_ids` holds one id per scheduled request that samples, in schedule order; `num_accepted_drafts`
+        one count per request scheduled with draft tokens, in schedule order: its first drafts that verification
+        accepted, which join its output before the sampled token. The rejected ones' KV lies past its computed
+        tokens, where its next tokens overwrite it; a block given for drafts stays the request's, for those tokens
+        (freeing it would leave the planner's table row pointing at a block another request may take).
         """
         sampled = iter(sampled_token_ids)
+        accepted = iter(num_accepted_drafts or ())
         caching, block_size = self.config.enable_prefix_caching, self.block_size
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            if item.num_draft_tokens:
+                num_accepted = next(accepted)
+                request.num_computed_tokens += 1 + num_accepted
+                request.output_token_ids += request.draft_token_ids[:num_accepted]
+            else:
+                request.num_computed_tokens += item.num_new_tokens
             if item.samples_next_token:
                 request.output_token_ids.append(next(sampled))
             # Checked here, not in a call per request: a block fills only every block_size tokens.

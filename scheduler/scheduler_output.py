@@ -13,12 +13,15 @@ class ScheduledRequest:
 
     `samples_next_token` is True when this chunk reaches the request's last token, so its logits
     give the next one (False for all but the last chunk of a chunked prefill).
+    `num_draft_tokens`: of a decode's `num_new_tokens`, how many are the request's first draft tokens (speculative
+    decoding), run after its last token so that one forward checks them all; their KV counts only once accepted.
     """
 
     request: Request
     num_new_tokens: int
     start_position: int
     samples_next_token: bool
+    num_draft_tokens: int = 0
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
@@ -38,6 +41,10 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(item.num_draft_tokens for item in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

@@ -7,6 +7,7 @@ OpenAI-compatible one); it imports neither the engine nor torch, so it starts at
 """
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -54,6 +55,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs="+", default=None, help=field.description)
         elif annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+        elif dataclasses.is_dataclass(annotation):  # a settings group, as JSON (or YAML) text; the settings parse it
+            parser.add_argument(flag, default=None, help=f"{annotation.__name__} as JSON, e.g. '{{\"key\": value}}'")
         else:
             parser.add_argument(
                 flag, type=annotation, default=None, help=field.description or f"default {field.default}"

@@ -150,6 +150,14 @@ class ServerMetrics:
                                    ["model_name", "lora_name"], registry=self.registry)  # fmt: skip
         self._lora_waiting = Gauge(PREFIX + "lora_requests_waiting", "Waiting requests of each LoRA adapter.",
                                    ["model_name", "lora_name"], registry=self.registry)  # fmt: skip
+        self._spec_decode = [
+            Counter(PREFIX + name, documentation, ["model_name"], registry=self.registry).labels(model)
+            for name, documentation in (
+                ("spec_decode_num_drafts", "Speculative decoding: requests that verified draft tokens, once a step."),
+                ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+                ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
+            )
+        ]
         self._priority_running = Gauge(
             PREFIX + "num_requests_running_by_priority", "Running requests of each priority (priority policy).",
             ["model_name", "priority"], registry=self.registry,
@@ -190,6 +198,12 @@ class ServerMetrics:
             self._record_lora_requests(stats.lora_requests)
         if stats.priority_requests is not None:
             self._record_priority_requests(stats.priority_requests)
+        if stats.spec_decode is not None:
+            spec = stats.spec_decode
+            for counter, amount in zip(
+                self._spec_decode, (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens), strict=True
+            ):
+                counter.inc(amount)
         self.time_to_first_token.observe_all(stats.time_to_first_token_s)
         self.inter_token_latency.observe_all(stats.inter_token_latency_s)
         for reason in stats.finish_reasons:

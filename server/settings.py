@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from kvserve.engine import EngineConfig
+from kvserve.engine.speculative import SpeculativeConfig
 
 ENV_PREFIX = "KVSERVE_"
 
@@ -71,6 +72,17 @@ class _ServerOnlySettings(BaseModel):
         if not isinstance(value, list | tuple):
             return value
         return [_lora_module(item) for item in value]
+
+    @field_validator("speculative_config", mode="before", check_fields=False)
+    @classmethod
+    def _speculative_config(cls, value):
+        """JSON or YAML text (a flag, an env variable) read as the mapping it writes; unknown keys refused."""
+        value = yaml.safe_load(value) if isinstance(value, str) else value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {field.name for field in fields(SpeculativeConfig)})
+            if unknown:
+                raise ValueError(f"unknown keys {unknown}")
+        return value
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{field.name: getattr(self, field.name) for field in fields(EngineConfig)})

@@ -1,0 +1,8 @@
+"""Speculative decoding: proposers of draft tokens and the rule that verifies them."""
+
+from kvserve.engine.speculative.config import SpeculativeConfig
+from kvserve.engine.speculative.controller import SpeculationController
+from kvserve.engine.speculative.ngram_proposer import NgramProposer
+from kvserve.engine.speculative.verification import num_accepted_drafts
+
+__all__ = ["NgramProposer", "SpeculationController", "SpeculativeConfig", "num_accepted_drafts"]

@@ -1,0 +1,83 @@
+"""When to speculate, and how far: decided from what the engine measures, not from constants of a machine.
+
+Per request, the number of drafts follows its acceptance: the k-th draft is proposed only while the request's
+measured chance of a draft being accepted, raised to the k-th power (the chance that all k are), stays above
+MIN_CHANCE_OF_USE. Per batch size, speculation is on while steps with drafts give more output tokens a second than
+steps without: both are measured, at each power-of-two number of decoding requests, on pure decode steps (a prompt
+chunk in the step would cloud the comparison), and the mode that loses is still tried now and then, so that a change
+(longer contexts, other text) can turn the decision back.
+"""
+
+from dataclasses import dataclass
+
+MIN_CHANCE_OF_USE = 0.25  # a draft less likely than this to be used costs more than it is worth
+ACCEPTANCE_WEIGHT = 0.3  # of a verification in a request's running acceptance
+RATE_WEIGHT = 0.1  # of a step in a batch size's running tokens/s
+EXPLORE_EVERY = 32  # steps of a batch size: the losing mode runs once in so many, to stay measured
+
+
+@dataclass
+class _ModeRates:
+    """Running output tokens/s of pure decode steps at one batch size, with drafts and without."""
+
+    with_drafts: float | None = None
+    without_drafts: float | None = None
+    num_steps: int = 0
+
+    def speculates(self) -> bool:
+        self.num_steps += 1
+        if self.with_drafts is None or self.without_drafts is None:  # each mode measured first
+            return self.with_drafts is None
+        better = self.with_drafts >= self.without_drafts
+        return better != (self.num_steps % EXPLORE_EVERY == 0)
+
+
+class SpeculationController:
+    """`adaptive` False: always speculate, with `max_drafts` drafts (what is measured is then only recorded)."""
+
+    def __init__(self, max_drafts: int, adaptive: bool = True) -> None:
+        self.max_drafts = max_drafts
+        self.adaptive = adaptive
+        self._acceptance: dict[str, float] = {}  # request id -> chance that a draft is accepted
+        self._rates: dict[int, _ModeRates] = {}  # batch size bucket -> rates
+
+    def speculates(self, num_decoding: int) -> bool:
+        """Whether a step with this many decoding requests gets drafts."""
+        return not self.adaptive or self._rates.setdefault(_bucket(num_decoding), _ModeRates()).speculates()
+
+    def num_drafts(self, request_id: str) -> int:
+        """How many drafts the request gets: at least one, so its acceptance stays measured."""
+        if not self.adaptive:
+            return self.max_drafts
+        chance = self._acceptance.get(request_id, 1.0)
+        num_drafts, all_accepted = 1, chance
+        while num_drafts < self.max_drafts and all_accepted * chance >= MIN_CHANCE_OF_USE:
+            num_drafts += 1
+            all_accepted *= chance
+        return num_drafts
+
+    def verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted`: each accepted
+        draft passed a test, and the first rejected one failed it (drafts after it were never tested)."""
+        num_tested = min(num_drafts, num_accepted + 1)
+        previous = self._acceptance.get(request_id, 1.0)
+        self._acceptance[request_id] = previous + ACCEPTANCE_WEIGHT * (num_accepted / num_tested - previous)
+
+    def stepped(self, num_decoding: int, with_drafts: bool, num_tokens: int, elapsed_s: float) -> None:
+        """A pure decode step of `num_decoding` requests gave `num_tokens` tokens in `elapsed_s`."""
+        rates = self._rates.setdefault(_bucket(num_decoding), _ModeRates())
+        rate = num_tokens / max(elapsed_s, 1e-9)
+        previous = rates.with_drafts if with_drafts else rates.without_drafts
+        updated = rate if previous is None else previous + RATE_WEIGHT * (rate - previous)
+        if with_drafts:
+            rates.with_drafts = updated
+        else:
+            rates.without_drafts = updated
+
+    def forget(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+
+
+def _bucket(num_decoding: int) -> int:
+    """The power of two at or above the batch size: sizes that cost about the same share a decision."""
+    return 1 << max(0, num_decoding - 1).bit_length()

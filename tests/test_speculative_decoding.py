@@ -1,0 +1,404 @@
+"""Speculative decoding with prompt-lookup (n-gram) drafts: the proposer, the acceptance rule, and greedy outputs
+token for token those of decoding without drafts, on every scheduling path, with drafts really accepted."""
+
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from kvserve.engine import LLM, RequestDelta, SamplingParams
+from kvserve.engine.speculative import (
+    NgramProposer,
+    SpeculationController,
+    SpeculativeConfig,
+    num_accepted_drafts,
+)
+from kvserve.kvcache import BlockAllocator
+from kvserve.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+
+# Not adaptive: every decoding request verifies what the proposer finds, whatever the steps' times on this machine.
+NGRAM = SpeculativeConfig(
+    method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, adaptive=False
+)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def copy_heavy_prompts(num_prompts: int) -> list[list[int]]:
+    """Prompts that repeat a passage, then begin it once more: the lookup finds what follows."""
+    prompts = []
+    for i in range(num_prompts):
+        passage = [(7 * i + 3 * j) % 400 + 20 for j in range(12)]
+        prompts.append(passage * 3 + passage[:3])
+    return prompts
+
+
+def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_ngram():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3))
+    # "1 2 3" occurred twice; the latest occurrence is followed by 9, 9.
+    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 7, 1, 2, 3], 3) == [9, 9, 7]
+    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 7, 1, 2, 3], 1) == [9]
+    # No 3-gram "8 2 3" earlier, so the 2-gram "2 3" decides.
+    assert proposer.propose([2, 3, 6, 6, 8, 2, 3], 2) == [6, 6]
+    # The continuation may run into the suffix itself (a repeating run).
+    assert proposer.propose([5, 5, 5, 5], 3) == [5]
+    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert proposer.propose([1, 2], 3) == []  # too short to hold an earlier n-gram
+    assert proposer.propose([1, 2, 1, 2], 0) == []
+
+
+def test_greedy_acceptance_takes_drafts_while_each_equals_the_models_choice():
+    assert num_accepted_drafts([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert num_accepted_drafts([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert num_accepted_drafts([4, 5, 6], [8, 5, 6, 7]) == 0
+    assert num_accepted_drafts([], [8]) == 0
+
+
+def test_a_request_gets_as_many_drafts_as_its_acceptance_earns():
+    controller = SpeculationController(max_drafts=5)
+    assert controller.num_drafts("r") == 5  # nothing measured yet
+    for _ in range(12):
+        controller.verified("r", 5, 0)  # its first draft always rejected
+    assert controller.num_drafts("r") == 1  # one, to go on measuring
+    for _ in range(20):
+        controller.verified("r", 5, 5)
+    assert controller.num_drafts("r") == 5
+    for _ in range(40):
+        controller.verified("s", 4, 1)  # one accepted, the next rejected: a chance of 1/2 a draft
+    assert controller.num_drafts("s") == 2  # the second draft has a 1/4 chance of being used; a third, 1/8
+    controller.forget("r")
+    assert controller.num_drafts("r") == 5
+    assert SpeculationController(max_drafts=5, adaptive=False).num_drafts("s") == 5
+
+
+def test_speculation_runs_at_the_batch_sizes_where_measured_steps_gain():
+    controller = SpeculationController(max_drafts=4)
+
+    def decisions(num_decoding: int, rate_with: float, rate_without: float, num_steps: int = 320) -> list[bool]:
+        made = []
+        for _ in range(num_steps):
+            made.append(controller.speculates(num_decoding))
+            controller.stepped(num_decoding, made[-1], num_tokens=num_decoding, elapsed_s=num_decoding / (
+                rate_with if made[-1] else rate_without))  # fmt: skip
+        return made
+
+    small = decisions(3, rate_with=300.0, rate_without=100.0)
+    assert small[:2] == [True, False]  # each way measured first
+    assert 10 <= small.count(False) <= 12  # then the losing way only to stay measured, once in 32 steps
+    large = decisions(20, rate_with=80.0, rate_without=100.0)
+    assert 10 <= large.count(True) <= 12
+    # Batch sizes 3 and 4 share a decision (the same power of two); 20 and 32 too; 33 is measured afresh.
+    assert controller.speculates(4) and not controller.speculates(32)
+    assert controller.speculates(33)
+    assert all(SpeculationController(4, adaptive=False).speculates(64) for _ in range(40))
+
+
+def test_speculative_config_is_checked():
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # a 16-token block of the tiny models: 2 layers, K and V, 2 heads of 16, fp32
+
+
+@dataclass
+class Run:
+    """Each request's tokens, text and finish reason, in prompt order; the draft tokens accepted; the deltas."""
+
+    outputs: list[tuple[list[int], str, str | None]]
+    num_accepted: int
+    deltas: dict[str, list[RequestDelta]]
+    verified: list[bool]  # per request: whether it verified drafts in some step
+
+
+def run(llm: LLM, prompts, params) -> Run:
+    """The prompts through the engine step by step (as `LLM.generate` does), keeping what each step accepted."""
+    engine = llm.engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    deltas, num_accepted, verified = {request_id: [] for request_id in ids}, 0, set()
+    while engine.has_unfinished():
+        result = engine.core.step()
+        num_accepted += result.num_accepted_draft_tokens
+        verified |= {item.request.request_id for item in result.scheduled.scheduled if item.num_draft_tokens}
+        for delta in engine.process(result):
+            deltas[delta.request_id].append(delta)
+    merged = [RequestDelta.merge(deltas[request_id]) for request_id in ids]
+    outputs = [(d.token_ids, d.text, d.finish_reason) for d in merged]
+    return Run(outputs, num_accepted, deltas, [request_id in verified for request_id in ids])
+
+
+def self_repeating_prompts(model_dir, num_prompts: int) -> list[list[int]]:
+    """A few tokens and the model's own greedy continuation of them (the tiny random models fall into loops): the
+    lookup then proposes what the model is likely to sample again."""
+    starts = [[(11 * i + j) % 400 + 20 for j in range(4)] for i in range(num_prompts)]
+    greedy = run(LLM(str(model_dir), kv_cache_memory_bytes=4 << 20), starts, GREEDY)
+    return [start + tokens for start, (tokens, _, _) in zip(starts, greedy.outputs, strict=True)]
+
+
+def run_both(model_dir, prompts, params, **settings) -> tuple[Run, Run, LLM]:
+    """Without drafts and with them; and the speculating engine."""
+    plain = run(LLM(str(model_dir), **settings), prompts, params)
+    llm = LLM(str(model_dir), speculative_config=NGRAM, **settings)
+    return plain, run(llm, prompts, params), llm
+
+
+def test_greedy_outputs_equal_decoding_without_drafts_on_every_family(tiny_model):
+    prompts = copy_heavy_prompts(4)
+    plain, speculated, _ = run_both(tiny_model, prompts, GREEDY, kv_cache_memory_bytes=4 << 20)
+    assert speculated.outputs == plain.outputs
+    assert speculated.num_accepted > 0  # the drafts were used, not all turned away
+
+
+def test_adaptive_speculation_keeps_greedy_outputs(tiny_checkpoints):
+    model, prompts = tiny_checkpoints["mistral"], copy_heavy_prompts(8)
+    adaptive = SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3)
+    expected = run(LLM(str(model), kv_cache_memory_bytes=4 << 20, max_num_seqs=4), prompts, GREEDY)
+    llm = LLM(str(model), kv_cache_memory_bytes=4 << 20, max_num_seqs=4, speculative_config=adaptive)
+    speculated = run(llm, prompts, GREEDY)
+    assert speculated.outputs == expected.outputs
+    assert speculated.num_accepted > 0  # the first steps of each batch size speculate, whatever comes after
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # Chunked prefill: prompts over several steps beside decodes that verify drafts.
+        {"max_num_batched_tokens": 24, "max_num_seqs": 4},
+        # Preemption: too few blocks for every request, drafts only in free blocks.
+        {"kv_cache_memory_bytes": 16 * BLOCK_BYTES, "max_num_seqs": 6, "preemption": True},
+        # No prefix cache.
+        {"enable_prefix_caching": False},
+        # A small token budget caps the drafts a step runs.
+        {"max_num_batched_tokens": 8, "max_num_seqs": 2},
+    ],
+    ids=["chunked-prefill", "preemption", "no-prefix-cache", "small-budget"],
+)
+def test_greedy_outputs_equal_decoding_without_drafts_on_every_scheduling_path(tiny_checkpoints, settings):
+    settings = dict(settings)
+    preempts = settings.pop("preemption", False)
+    settings = {"kv_cache_memory_bytes": 4 << 20, **settings}
+    prompts = copy_heavy_prompts(6)
+    plain, speculated, llm = run_both(tiny_checkpoints["llama"], prompts, GREEDY, **settings)
+    assert speculated.outputs == plain.outputs
+    assert speculated.num_accepted > 0
+    if preempts:
+        assert llm.engine.core.scheduler.num_preemptions > 0  # else this case tests nothing of it
+
+
+def test_prefix_cache_holds_only_accepted_tokens(tiny_checkpoints):
+    # A second round continues the first round's outputs, reusing their blocks: were any block keyed by tokens whose
+    # KV came from a rejected draft, the reused prefix would be wrong, and so would the outputs.
+    model, prompts = tiny_checkpoints["qwen3"], copy_heavy_prompts(3)
+    llm = LLM(str(model), speculative_config=NGRAM, kv_cache_memory_bytes=4 << 20)
+    first = run(llm, prompts, GREEDY)
+    continued = [prompt + tokens for prompt, (tokens, _, _) in zip(prompts, first.outputs, strict=True)]
+    hits_before = llm.engine.core.scheduler.prefix_cache_hit_tokens
+    again = run(llm, continued, GREEDY)
+    assert llm.engine.core.scheduler.prefix_cache_hit_tokens - hits_before >= 3 * 64  # most of each was cached
+    assert again.outputs == run(LLM(str(model), kv_cache_memory_bytes=4 << 20), continued, GREEDY).outputs
+    assert first.num_accepted > 0 and again.num_accepted > 0
+    assert llm.engine.kv_usage().num_used_blocks == 0
+
+
+def test_max_tokens_and_stop_tokens_land_mid_proposal(tiny_checkpoints):
+    model, prompts = tiny_checkpoints["mistral"], copy_heavy_prompts(4)
+    reference = run(LLM(str(model), kv_cache_memory_bytes=4 << 20), prompts, GREEDY)
+    # Stop at a token each output produces late: the output ends there, as without drafts, whatever was accepted
+    # after it in the same step.
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(tokens[25],))
+        for tokens, _, _ in reference.outputs
+    ]
+    plain, speculated, llm = run_both(model, prompts, params, kv_cache_memory_bytes=4 << 20)
+    assert speculated.outputs == plain.outputs
+    assert all(reason == "stop" for _, _, reason in speculated.outputs) and speculated.num_accepted > 0
+    for length in (1, 2, 5, 13):  # max_tokens reached after any number of drafts
+        short = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+        expected = run(LLM(str(model), kv_cache_memory_bytes=4 << 20), prompts, short).outputs
+        assert run(llm, prompts, short).outputs == expected
+    assert llm.engine.kv_usage().num_used_blocks == 0
+
+
+def test_stop_strings_and_deltas_of_several_tokens(tiny_checkpoints):
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(3)
+    reference = run(LLM(str(model), kv_cache_memory_bytes=4 << 20), prompts, GREEDY)
+    text = reference.outputs[0][1]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(text[len(text) // 2 :][:3],))
+    plain, speculated, _ = run_both(model, prompts, params, kv_cache_memory_bytes=4 << 20)
+    assert speculated.outputs == plain.outputs
+    assert speculated.outputs[0][2] == "stop"
+    # A step that accepted drafts releases its tokens in one delta.
+    assert max(len(delta.token_ids) for deltas in speculated.deltas.values() for delta in deltas) > 1
+
+
+def test_the_offline_api_speculates(tiny_checkpoints):
+    model, prompts = tiny_checkpoints["qwen2"], copy_heavy_prompts(2)
+    expected = LLM(str(model), kv_cache_memory_bytes=4 << 20).generate(prompts, GREEDY)
+    # vLLM's form of the setting: a dict of its keys.
+    setting = {"method": "ngram", "prompt_lookup_min": 1, "adaptive": False}
+    llm = LLM(str(model), speculative_config=setting, kv_cache_memory_bytes=4 << 20)
+    assert llm.engine.config.speculative_config == SpeculativeConfig(prompt_lookup_min=1, adaptive=False)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [(o.token_ids, o.text) for o in outputs] == [(o.token_ids, o.text) for o in expected]
+
+
+def test_requests_whose_rows_depend_on_earlier_tokens_do_not_speculate(tiny_checkpoints):
+    # Penalties and min_tokens still to reach change a row by the tokens before it: such requests run without
+    # drafts, beside requests that verify drafts, with the same outputs; logprobs come from each accepted token's row.
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(4)
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
+        GREEDY,
+    ]
+    plain, speculated, _ = run_both(model, prompts, params, kv_cache_memory_bytes=4 << 20)
+    assert speculated.outputs == plain.outputs
+    assert speculated.verified == [False, False, True, True]
+    logprobs, expected = (
+        [entry for delta in list(run.deltas.values())[2] for entry in delta.logprobs] for run in (speculated, plain)
+    )
+    assert [entry.token_id for entry in logprobs] == [entry.token_id for entry in expected]
+    for entry, reference in zip(logprobs, expected, strict=True):
+        assert [token for token, _ in entry.top_logprobs] == [token for token, _ in reference.top_logprobs]
+        assert entry.logprob == pytest.approx(reference.logprob, abs=1e-4)
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(tiny_checkpoints):
+    model = tiny_checkpoints["llama"]
+    prompts = self_repeating_prompts(model, 3)
+    params = [SamplingParams(max_tokens=30, temperature=0.5, top_k=3, seed=seed, ignore_eos=True) for seed in (1, 2, 3)]
+    first = run(LLM(str(model), speculative_config=NGRAM, kv_cache_memory_bytes=4 << 20), prompts, params)
+    second = run(LLM(str(model), speculative_config=NGRAM, kv_cache_memory_bytes=4 << 20), prompts[::-1], params[::-1])
+    assert first.outputs == second.outputs[::-1]  # the same in another batch order
+    assert first.num_accepted > 0
+
+
+def test_sampled_outputs_follow_the_targets_distribution(tiny_checkpoints):
+    # 1,200 draws of the second and third tokens (those verified against drafts) at temperature 1 over a support of
+    # 4 (top_k), with and without drafts: a chi-square test of homogeneity over the 16 (second, third) pairs must
+    # not reject at the 0.1% level. The drafts come from the prompt, not from the model's distribution.
+    from scipy.stats import chi2_contingency
+
+    [prompt] = self_repeating_prompts(tiny_checkpoints["llama"], 1)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+    counts, accepted = [], []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=speculative_config, max_num_seqs=64,
+                  kv_cache_memory_bytes=8 << 20)  # fmt: skip
+        result = run(llm, [prompt] * 1200, params)
+        pairs = Counter(tuple(tokens[1:3]) for tokens, _, _ in result.outputs)
+        counts.append(pairs)
+        accepted.append(result.num_accepted)
+    assert accepted[0] == 0 and accepted[1] > 50  # drafts were verified, and accepted now and then
+    cells = sorted(set(counts[0]) | set(counts[1]))
+    table = [[pairs[cell] for cell in cells] for pairs in counts]
+    assert chi2_contingency(table).pvalue > 0.001
+
+
+def test_rejected_drafts_are_left_past_the_computed_tokens():
+    allocator = BlockAllocator(16)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), allocator, block_size=4)
+    request = Request("r", [1, 2, 3, 4, 5, 6])
+    scheduler.add(request)
+    scheduler.update(scheduler.schedule(), [7])  # the prompt: 6 tokens in 2 blocks, 7 sampled
+    assert len(request.block_ids) == 2 and allocator.num_free_blocks == 14
+    request.draft_token_ids = [8, 9, 10, 11, 12, 13]
+    output = scheduler.schedule()
+    [item] = output.scheduled
+    assert (item.num_new_tokens, item.num_draft_tokens) == (7, 6)
+    assert len(request.block_ids) == 4  # positions 6..12: two more blocks
+    scheduler.update(output, [20], num_accepted_drafts=[1])  # 8 accepted, then the model's 20
+    assert request.output_token_ids == [7, 8, 20]
+    assert request.num_computed_tokens == 8  # 6 prompt tokens, 7 and 8; 20 is the next step's
+    # The blocks stay the request's: its next tokens overwrite the rejected drafts' KV there.
+    assert len(request.block_ids) == 4 and allocator.num_free_blocks == 12
+    request.draft_token_ids = []
+    [item] = scheduler.schedule().scheduled
+    assert (item.num_new_tokens, item.start_position) == (1, 8)
+    scheduler.finish(request, FinishReason.STOP)
+    assert allocator.num_free_blocks == 16
+
+
+def test_drafts_never_preempt_and_respect_the_token_budget():
+    allocator = BlockAllocator(4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), allocator, block_size=4)
+    request, other = Request("r", [1, 2, 3, 4, 5, 6]), Request("o", [1, 2, 3, 4, 5])
+    scheduler.add(request)
+    scheduler.add(other)
+    scheduler.update(scheduler.schedule(), [7, 7])  # both prompts, two blocks each: none free
+    assert allocator.num_free_blocks == 0
+    request.draft_token_ids = [9, 10, 11]
+    output = scheduler.schedule()
+    by_id = {item.request.request_id: item for item in output.scheduled}
+    # One slot left in its last block after its token: one draft there, and no other request preempted for more.
+    assert (by_id["r"].num_new_tokens, by_id["r"].num_draft_tokens) == (2, 1)
+    assert (by_id["o"].num_new_tokens, by_id["o"].num_draft_tokens) == (1, 0)
+    assert not output.preempted
+
+    budgeted = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=3), BlockAllocator(16), block_size=4)
+    request = Request("b", [1, 2])
+    budgeted.add(request)
+    budgeted.update(budgeted.schedule(), [3])
+    request.draft_token_ids = [4, 5, 6, 7]
+    [item] = budgeted.schedule().scheduled
+    assert (item.num_new_tokens, item.num_draft_tokens) == (3, 2)  # the budget's 3 tokens: its own and two drafts
+
+
+def test_the_server_takes_the_setting_and_counts_drafts_in_its_metrics(tiny_checkpoints):
+    import openai
+
+    from kvserve.server.settings import SettingsError, load_settings
+    from tests.server_harness import running_server
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": false}'
+    settings = load_settings(None, {"speculative_config": flag}, environ={})
+    assert settings.engine_config().speculative_config == SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False
+    )
+    yaml_env = {"KVSERVE_SPECULATIVE_CONFIG": "{method: ngram, prompt_lookup_max: 2}"}
+    assert load_settings(None, {}, environ=yaml_env).speculative_config.prompt_lookup_max == 2
+    with pytest.raises(SettingsError, match="speculative_config"):
+        load_settings(None, {"speculative_config": '{"method": "eagle"}'}, environ={})
+    with pytest.raises(SettingsError, match="speculative_config"):
+        load_settings(None, {"speculative_config": '{"num_speculative_tokens": 4, "typo": 1}'}, environ={})
+
+    with running_server(
+        model=str(tiny_checkpoints["llama"]), speculative_config=settings.speculative_config,
+        kv_cache_memory_bytes=4 << 20,
+    ) as server:  # fmt: skip
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        prompt = copy_heavy_prompts(1)[0]
+        expected = run(LLM(str(tiny_checkpoints["llama"]), kv_cache_memory_bytes=4 << 20), [prompt], GREEDY)
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+        assert completion.choices[0].text == expected.outputs[0][1]
+        assert completion.usage.completion_tokens == 40
+        drafts = server.metric("spec_decode_num_drafts_total")
+        draft_tokens = server.metric("spec_decode_num_draft_tokens_total")
+        accepted = server.metric("spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= draft_tokens <= 3 * drafts
+        assert server.metric("generation_tokens_total") == 40
+
+
+def test_two_tensor_parallel_ranks_verify_drafts_as_one(tiny_checkpoints):
+    # Rank 0 plans each verifying step (its draft rows among the logits) and the other rank runs the same plan.
+    model, prompts = tiny_checkpoints["qwen2"], copy_heavy_prompts(3)
+    expected = run(LLM(str(model), kv_cache_memory_bytes=4 << 20), prompts, GREEDY)
+    with LLM(str(model), tensor_parallel_size=2, speculative_config=NGRAM, kv_cache_memory_bytes=4 << 20) as llm:
+        speculated = run(llm, prompts, GREEDY)
+    assert speculated.outputs == expected.outputs
+    assert speculated.num_accepted > 0
+
+
+def test_an_int8_kv_cache_verifies_drafts_as_it_decodes(tiny_checkpoints):
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(3)
+    settings = {"kv_cache_memory_bytes": 4 << 20, "kv_cache_dtype": "int8"}
+    plain, speculated, _ = run_both(model, prompts, GREEDY, **settings)
+    assert speculated.outputs == plain.outputs
+    assert speculated.num_accepted > 0
