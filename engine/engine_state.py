@@ -45,6 +45,9 @@ class LiveFigures:
     time_to_first_token_s: Percentiles | None  # None: no first token in the window
     inter_token_latency_s: Percentiles | None
     prefix_cache_hit_rate: float | None  # hit / queried prompt tokens in the window; None: nothing queried
+    # Speculative decoding in the window: tokens a request got from one verifying step (1 + accepted drafts a
+    # verification); None: no drafts verified.
+    spec_acceptance_length: float | None
     num_running: tuple[int, ...]  # queue sizes and KV usage at the end of each second
     num_waiting: tuple[int, ...]
     num_preempted_waiting: tuple[int, ...]
@@ -79,6 +82,8 @@ class _Second:
     num_preemptions: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_spec_drafts: int = 0  # verifications of drafts
+    num_spec_accepted_tokens: int = 0
     time_to_first_token: _Latencies = field(default_factory=_Latencies)
     inter_token_latency: _Latencies = field(default_factory=_Latencies)
 
@@ -88,6 +93,9 @@ class _Second:
         self.num_preemptions += stats.num_preemptions
         self.prefix_cache_queried_tokens += stats.prefix_cache_queried_tokens
         self.prefix_cache_hit_tokens += stats.prefix_cache_hit_tokens
+        if stats.spec_decode is not None:
+            self.num_spec_drafts += stats.spec_decode.num_drafts
+            self.num_spec_accepted_tokens += stats.spec_decode.num_accepted_tokens
         self.time_to_first_token.raw.extend(stats.time_to_first_token_s)
         self.inter_token_latency.raw.extend(stats.inter_token_latency_s)
 
@@ -129,12 +137,15 @@ class StatsWindow:
         rate_span_s = RATE_WINDOW_S - 1 + (now_s - current)  # whole seconds before this one, and this one so far
         queried = sum(second.prefix_cache_queried_tokens for second in self._seconds)
         hit = sum(second.prefix_cache_hit_tokens for second in self._seconds)
+        drafts = sum(second.num_spec_drafts for second in self._seconds)
+        accepted = sum(second.num_spec_accepted_tokens for second in self._seconds)
         return LiveFigures(
             window_s=WINDOW_S,
             output_tokens_per_s=sum(num_output_tokens[-RATE_WINDOW_S:]) / rate_span_s,
             time_to_first_token_s=_percentiles([second.time_to_first_token for second in self._seconds]),
             inter_token_latency_s=_percentiles([second.inter_token_latency for second in self._seconds]),
             prefix_cache_hit_rate=hit / queried if queried else None,
+            spec_acceptance_length=1 + accepted / drafts if drafts else None,
             num_running=num_running,
             num_waiting=num_waiting,
             num_preempted_waiting=num_preempted_waiting,

@@ -503,6 +503,10 @@ class LiveEngineFigures(BaseModel):
     time_to_first_token_s: LatencyPercentiles | None
     inter_token_latency_s: LatencyPercentiles | None
     prefix_cache_hit_rate: float | None
+    spec_acceptance_length: float | None = Field(
+        description="speculative decoding: tokens a request got from one verifying step (1 + accepted drafts), over "
+        "the window; null: no drafts verified"
+    )
     num_running: list[int]
     num_waiting: list[int]
     num_preempted_waiting: list[int]

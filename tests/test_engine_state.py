@@ -12,7 +12,7 @@ import pytest
 from kvserve.engine import EngineConfig, LLMEngine, SamplingParams
 from kvserve.engine import async_engine as async_engine_module
 from kvserve.engine.engine_state import WINDOW_S, StatsWindow, take_engine_state
-from kvserve.engine.stats import StepStats
+from kvserve.engine.stats import SpecDecodeCounts, StepStats
 from kvserve.kvcache import BlockAllocator, BlockHasher, BlockKey, KVUsage
 from kvserve.kvcache.block_map import BlockState, block_ranges, build_block_map, encode_states, run_lengths
 from kvserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -129,6 +129,16 @@ def test_series_hold_one_sample_a_second_and_an_idle_second_keeps_the_last_queue
     assert figures.num_preemptions[-5:] == (0, 0, 0, 1, 0)
     assert figures.output_tokens_per_s == pytest.approx(60 / 9.5)  # nine whole seconds and half of this one
     assert figures.num_running[0] == 0  # before anything was reported
+
+
+def test_the_speculation_figure_is_the_mean_tokens_a_verifying_step_gave_within_the_window():
+    window = StatsWindow()
+    window.record(_stats(), 500.0)
+    assert window.figures(500.5).spec_acceptance_length is None  # no drafts verified
+    window.record(_stats(spec_decode=SpecDecodeCounts(num_drafts=4, num_draft_tokens=16, num_accepted_tokens=6)), 501.0)
+    window.record(_stats(spec_decode=SpecDecodeCounts(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=6)), 502.0)
+    assert window.figures(502.5).spec_acceptance_length == 1 + 12 / 6
+    assert window.figures(501.0 + WINDOW_S + 0.5).spec_acceptance_length == 1 + 6 / 2  # the first left the window
 
 
 def test_a_second_leaves_the_window_a_minute_later_and_its_queues_carry_on():

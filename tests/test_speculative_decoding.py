@@ -363,7 +363,7 @@ def test_the_server_takes_the_setting_and_counts_drafts_in_its_metrics(tiny_chec
     import openai
 
     from kvserve.server.settings import SettingsError, load_settings
-    from tests.server_harness import running_server
+    from tests.server_harness import running_server, wait_for
 
     flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": false}'
     settings = load_settings(None, {"speculative_config": flag}, environ={})
@@ -394,9 +394,14 @@ def test_the_server_takes_the_setting_and_counts_drafts_in_its_metrics(tiny_chec
         accepted = server.metric("spec_decode_num_accepted_tokens_total")
         assert 0 < accepted <= draft_tokens <= 3 * drafts
         assert server.metric("generation_tokens_total") == 40
-        # The console's live figure: tokens a verifying step gave, as the counters say.
-        live = httpx.get(server.base_url + "/v1/engine/state").json()["live"]
-        assert live["spec_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+
+        # The console's live figure: tokens a verifying step gave, as the counters say (once a snapshot newer than
+        # the step is taken: a poll within a second of the last gets the last).
+        def live_figure() -> float | None:
+            return httpx.get(server.base_url + "/v1/engine/state").json()["live"]["spec_acceptance_length"]
+
+        wait_for(lambda: live_figure() is not None)
+        assert live_figure() == pytest.approx(1 + accepted / drafts)
 
 
 def test_two_tensor_parallel_ranks_verify_drafts_as_one(tiny_checkpoints):

@@ -27,6 +27,7 @@ export class LiveView {
       "live-itl": percentiles(live.inter_token_latency_s),
       "live-kv": `${percent(kv.blocks.used / kv.blocks.total)} (${kv.blocks.used} of ${kv.blocks.total} blocks)`,
       "live-hit-rate": live.prefix_cache_hit_rate === null ? "–" : percent(live.prefix_cache_hit_rate),
+      "live-spec": live.spec_acceptance_length === null ? "–" : live.spec_acceptance_length.toFixed(2),
       "live-preemptions": live.num_preemptions.reduce((sum, count) => sum + count, 0),
     };
     for (const [id, text] of Object.entries(figures)) this.$(id).textContent = text;
