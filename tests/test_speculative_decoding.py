@@ -420,3 +420,16 @@ def test_an_int8_kv_cache_verifies_drafts_as_it_decodes(tiny_checkpoints):
     plain, speculated, _ = run_both(model, prompts, GREEDY, **settings)
     assert speculated.outputs == plain.outputs
     assert speculated.num_accepted > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_torch_path_and_the_triton_kernels_verify_drafts_too(tiny_checkpoints, backend):
+    # Verifying steps through the prompt-chunk attention of the torch path and of the Triton kernels (in Triton's
+    # interpreter here, as on CUDA), beside decodes, against the C++ kernels' run without drafts.
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = run(LLM(str(model), kv_cache_memory_bytes=4 << 20), prompts, params)
+    llm = LLM(str(model), attention_backend=backend, speculative_config=NGRAM, kv_cache_memory_bytes=4 << 20)
+    speculated = run(llm, prompts, params)
+    assert speculated.outputs == expected.outputs
+    assert speculated.num_accepted > 0
