@@ -2,7 +2,8 @@
 
 Every step schedules "N new tokens per request" in one batch: a request's uncomputed tail (the
 prompt on first run, everything again after a preemption; in chunks under the token budget when
-chunked prefill is on) or, when decoding, its one last sampled token. Decoding requests are served
+chunked prefill is on) or, when decoding, its one last sampled token, and after it as many of its draft
+tokens (speculative decoding) as fit without preempting anyone. Decoding requests are served
 first, then unfinished prefills, each oldest first; when one cannot grow, a running request is
 preempted (its blocks freed, put back in the queue): under the `fcfs` policy the most recently
 admitted one, under `priority` the one of the largest priority value (the latest arrival among equals).
