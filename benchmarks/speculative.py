@@ -16,6 +16,7 @@ kvserve's.
     .venv/bin/python -m benchmarks.speculative --rounds 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --workload copy --num-speculative-tokens 8
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
+    .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
 """
 
 import argparse
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from benchmarks.offline_worker import engine_env
 from benchmarks.processes import child_cwd
+from benchmarks.vs_llama_cpp import qwen2_0_5b_dir
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.default_model import default_model_dir
 from kvserve.engine.speculative import SpeculativeConfig
@@ -89,10 +91,14 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
+    parser.add_argument(
+        "--model", choices=["default", "qwen2-0.5b"], default="default",
+        help="the built-in model, or the Qwen2-0.5B layer shapes with random weights (benchmarks/vs_llama_cpp.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     config = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    model = str(default_model_dir())
+    model = str(default_model_dir() if args.model == "default" else qwen2_0_5b_dir())
     print(f"{model}; {config}; {args.max_tokens} tokens a request, greedy")
     rows = []
     for workload in args.workload:

@@ -39,8 +39,10 @@ def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_ngr
     assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 7, 1, 2, 3], 1) == [9]
     # No 3-gram "8 2 3" earlier, so the 2-gram "2 3" decides.
     assert proposer.propose([2, 3, 6, 6, 8, 2, 3], 2) == [6, 6]
-    # The continuation may run into the suffix itself (a repeating run).
-    assert proposer.propose([5, 5, 5, 5], 3) == [5]
+    # Past the end of what followed, the text goes on with the period of the occurrence: a loop runs on.
+    assert proposer.propose([5, 5, 5, 5], 3) == [5, 5, 5]
+    assert proposer.propose([7, 1, 2, 9, 1, 2, 9, 1, 2], 3) == [9, 1, 2]
+    assert proposer.propose([7, 1, 2, 9, 1, 2, 9, 1, 2], 5) == [9, 1, 2, 9, 1]
     assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
     assert proposer.propose([1, 2], 3) == []  # too short to hold an earlier n-gram
     assert proposer.propose([1, 2, 1, 2], 0) == []

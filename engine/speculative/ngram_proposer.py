@@ -12,8 +12,9 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens that followed the latest earlier occurrence of the last n of `token_ids`
-        (n from the largest size down; the first size that occurs wins); none if no size occurs."""
+        """`max_tokens` tokens that follow the latest earlier occurrence of the last n of `token_ids` (n from the
+        largest size down; the first size that occurs wins), as the text would go on if it repeated with the period
+        that occurrence shows (a loop of one token, or of a phrase, runs on past the end); none if no size occurs."""
         if max_tokens < 1 or len(token_ids) <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
@@ -22,6 +23,11 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)
             starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if starts.size:
-                follower = int(starts[-1]) + n
-                return tokens[follower : follower + max_tokens].tolist()
+                # The text from the occurrence on, repeated: position j takes position j - period's token, the
+                # proposal's own ones included once j - period passes the end.
+                length, period = len(tokens), len(tokens) - n - int(starts[-1])
+                proposal: list[int] = []
+                for j in range(length, length + max_tokens):
+                    proposal.append(int(tokens[j - period]) if j - period < length else proposal[j - period - length])
+                return proposal
         return []
