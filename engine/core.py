@@ -283,14 +283,19 @@ class EngineCore:
         return StepResult(outputs, scheduler_output, sum(num_accepted))
 
     def _propose_drafts(self) -> bool:
-        """Draft tokens for every decoding request that speculates, when the controller says this batch size gains
-        by it (none for the others): as many as its acceptance earns, never past its max_tokens or the context
-        window. Whether the step speculates."""
-        decoding = [request for request in self.scheduler.running if request.num_uncomputed_tokens == 1]
-        speculating = self.speculation.speculates(len(decoding))
-        for request in self.scheduler.running:
+        """Draft tokens for every decoding request that speculates, when no prompt waits for the step's budget and
+        the controller says this batch size gains by it (none for the others): as many as its acceptance earns, never
+        past its max_tokens or the context window. Whether the step speculates."""
+        scheduler = self.scheduler
+        decoding = [request for request in scheduler.running if request.num_uncomputed_tokens == 1]
+        for request in scheduler.running:
             request.draft_token_ids = []
-        if not speculating:
+        # Prompt tokens waiting for the step's budget (a prefill under way, or a request a free seat would admit)
+        # come before drafts, which would take budget from them.
+        prefill_pending = len(decoding) < len(scheduler.running) or (
+            scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs
+        )
+        if prefill_pending or not self.speculation.speculates(len(decoding)):
             return False
         max_model_len = self.limits.max_model_len
         for request in decoding:

@@ -200,6 +200,28 @@ def test_greedy_outputs_equal_decoding_without_drafts_on_every_scheduling_path(t
         assert llm.engine.core.scheduler.num_preemptions > 0  # else this case tests nothing of it
 
 
+def test_no_drafts_in_a_step_while_prompt_tokens_wait_for_its_budget(tiny_checkpoints):
+    # Eight requests through four seats with small steps: whenever a prompt is being prefilled, or a waiting request
+    # has a free seat, the step's budget goes to prompt tokens, not drafts; drafts run in the other steps.
+    llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=NGRAM, kv_cache_memory_bytes=4 << 20, max_num_seqs=4,
+              max_num_batched_tokens=24)  # fmt: skip
+    engine = llm.engine
+    for prompt in copy_heavy_prompts(8):
+        engine.add_request(prompt, GREEDY)
+    num_accepted = num_mixed_steps = 0
+    while engine.has_unfinished():
+        result = engine.core.step()
+        items = result.scheduled.scheduled
+        prefilling = any(
+            item.num_new_tokens > 1 + item.num_draft_tokens or not item.samples_next_token for item in items
+        )
+        num_mixed_steps += prefilling
+        assert not (prefilling and any(item.num_draft_tokens for item in items))
+        num_accepted += result.num_accepted_draft_tokens
+        engine.process(result)
+    assert num_mixed_steps > 0 and num_accepted > 0
+
+
 def test_prefix_cache_holds_only_accepted_tokens(tiny_checkpoints):
     # A second round continues the first round's outputs, reusing their blocks: were any block keyed by tokens whose
     # KV came from a rejected draft, the reused prefix would be wrong, and so would the outputs.
@@ -291,20 +313,21 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny_checkpoints):
 
 def test_sampled_outputs_follow_the_targets_distribution(tiny_checkpoints):
     # 1,200 draws of the second and third tokens (those verified against drafts) at temperature 1 over a support of
-    # 4 (top_k), with and without drafts: a chi-square test of homogeneity over the 16 (second, third) pairs must
+    # 4 (top_k), with and without drafts: a chi-square test of homogeneity over the (second, third) pairs seen must
     # not reject at the 0.1% level. The drafts come from the prompt, not from the model's distribution.
     from scipy.stats import chi2_contingency
 
     [prompt] = self_repeating_prompts(tiny_checkpoints["llama"], 1)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
-    counts, accepted = [], []
-    for speculative_config in (None, NGRAM):
-        llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=speculative_config, max_num_seqs=64,
-                  kv_cache_memory_bytes=8 << 20)  # fmt: skip
-        result = run(llm, [prompt] * 1200, params)
-        pairs = Counter(tuple(tokens[1:3]) for tokens, _, _ in result.outputs)
-        counts.append(pairs)
-        accepted.append(result.num_accepted)
+    counts, accepted = [Counter(), Counter()], [0, 0]
+    for index, speculative_config in enumerate((None, NGRAM)):
+        llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=speculative_config, max_num_seqs=200,
+                  max_num_batched_tokens=8192, kv_cache_memory_bytes=16 << 20)  # fmt: skip
+        # Waves of 200, each prefilled in one step: no prompt waits for the budget while drafts are verified.
+        for _ in range(6):
+            result = run(llm, [prompt] * 200, params)
+            counts[index].update(tuple(tokens[1:3]) for tokens, _, _ in result.outputs)
+            accepted[index] += result.num_accepted
     assert accepted[0] == 0 and accepted[1] > 50  # drafts were verified, and accepted now and then
     cells = sorted(set(counts[0]) | set(counts[1]))
     table = [[pairs[cell] for cell in cells] for pairs in counts]
