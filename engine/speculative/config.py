@@ -11,7 +11,8 @@ class SpeculativeConfig:
     num_speculative_tokens: the most draft tokens a request verifies in one step.
     prompt_lookup_min, prompt_lookup_max: the n-gram sizes tried, longest first.
     adaptive: fit each request's drafts to its acceptance and speculate only at batch sizes where it measurably
-        pays (engine/speculative/controller.py); False: every decoding request always gets what the proposer finds.
+        pays (engine/speculative/controller.py); False: every decoding request gets what the proposer finds (in
+        steps where no prompt waits for the budget).
     """
 
     method: Literal["ngram"] = "ngram"
