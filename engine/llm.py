@@ -45,8 +45,7 @@ class LLM:
         `lora_names`: the loaded LoRA adapter each prompt runs under (one name for all; None: the base model).
         `priority`: each prompt's priority (one for all; vLLM's list), lower first; the engine needs
         `scheduling_policy="priority"` for any but 0."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         lora_names = [lora_names] * len(prompts) if lora_names is None or isinstance(lora_names, str) else lora_names
@@ -74,10 +73,8 @@ class LLM:
         """Each prompt's embedding, in order (an engine of `task="embed"`, or a sentence-transformers model)."""
         if not self.engine.core.embeds:
             raise ValueError("this engine generates: embeddings need an embedding model (task='embed')")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         pooling = self.engine.core.pooler.config
-        prompts = [pooling.prompt(prompt) if isinstance(prompt, str) else prompt for prompt in prompts]
+        prompts = [pooling.prompt(prompt) if isinstance(prompt, str) else prompt for prompt in _prompt_list(prompts)]
         requests = [self._checked(prompt, EMBEDDING_PARAMS, None, 0) for prompt in prompts]
         for request in requests:
             self.engine.submit(request)
@@ -95,3 +92,8 @@ class LLM:
         processed = self.engine.inputs.process(GenerationRequest([prompt], params, lora=lora, priority=priority))
         token_ids, params = processed.prompt_token_ids[0], processed.params[0]
         return CoreRequest(self.engine.new_request_id(), token_ids, params, None, lora, processed.priority)
+
+
+def _prompt_list(prompts):
+    """One prompt (a text, or a list of token ids) as a list of one; a list of prompts as it is."""
+    return [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts

@@ -28,7 +28,7 @@ from kvserve.engine.gguf_checkpoint import hf_config as gguf_hf_config
 from kvserve.engine.models import DecoderConfig, DecoderForCausalLM, architecture_of, decoder_config_from_hf
 from kvserve.engine.models.layers import Linear, PackedLinear, RMSNorm
 from kvserve.engine.models.moe import Experts, SparseMoeBlock
-from kvserve.engine.models.registry import HEADLESS_ARCHITECTURES
+from kvserve.engine.models.registry import is_headless
 from kvserve.engine.models.rope import RotaryEmbedding
 from kvserve.engine.parallel.group import TensorParallelGroup
 from kvserve.engine.parallel.sharding import ShardPlan, Slice, TensorParallelError
@@ -86,7 +86,7 @@ def load_model(
             quantized_layers = compressed_tensors_checkpoint.quantize_layers(model, quantization, tensors, device)
     model.to_empty(device=device)
     model.tie_weights()
-    if is_headless(hf_config) and not config.tie_word_embeddings:
+    if is_headless(getattr(hf_config, "architectures", None)) and not config.tie_word_embeddings:
         with torch.no_grad():
             model.lm_head.weight.zero_()  # no checkpoint tensor fills it: embeddings never read it
     if group is not None:  # what no slice fills stays zero: vocabulary padding, other ranks' row-parallel biases
@@ -106,7 +106,7 @@ def load_model(
     else:
         files = _safetensors_files(model_dir)
         _load_weights(model, files, skip=tensors.consumed if quantization is not None else frozenset(),
-                      headless=is_headless(hf_config))  # fmt: skip
+                      headless=is_headless(getattr(hf_config, "architectures", None)))  # fmt: skip
         if quantization is not None:
             file_bytes = sum(path.stat().st_size for path in files)
             compressed_tensors_checkpoint.log_loaded(model, quantization, quantized_layers, file_bytes)
@@ -160,11 +160,6 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     pickles = sorted(path.name for path in model_dir.iterdir() if path.suffix in _PICKLE_SUFFIXES)
     refused = f"; {', '.join(pickles)} not loaded: kvserve reads safetensors only, never pickle" if pickles else ""
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}{refused}")
-
-
-def is_headless(hf_config) -> bool:
-    """Whether the checkpoint is a decoder without its LM head (an embedding model's transformer)."""
-    return any(name in HEADLESS_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or [])
 
 
 def checkpoint_destinations(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvserve.engine.models.registry import HEADLESS_ARCHITECTURES
+from kvserve.engine.models.registry import is_headless
 from kvserve.engine.request import ChatPrompt
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.scheduler import Request, SchedulerOutput
@@ -61,7 +61,7 @@ def read_pooling_config(
     normalised: Qwen3-Embedding's) override it."""
     modules_file = model_dir / "modules.json"
     hf_config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").exists() else {}
-    headless = bool(set(hf_config.get("architectures") or []) & set(HEADLESS_ARCHITECTURES))
+    headless = is_headless(hf_config.get("architectures"))
     if task == "generate" or (task == "auto" and not modules_file.exists() and not headless):
         if headless:
             raise PoolingConfigError(f"{model_dir} holds a model without its LM head: it serves --task embed only")
@@ -138,11 +138,7 @@ class Pooler:
             return []
         rows, first_row = [], 0
         for item in output.scheduled:
-            end_row = first_row + item.num_new_tokens - (1 if item.samples_next_token else 0)
-            if self.config.method == "mean":
-                rows.extend(range(first_row, end_row))
-            elif item.start_position == 0 and end_row > first_row:
-                rows.append(first_row)
+            rows.extend(range(first_row, first_row + self._num_extra_rows(item)))  # a chunk's leading rows
             first_row += item.num_new_tokens
         return rows
 

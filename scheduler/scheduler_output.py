@@ -43,10 +43,6 @@ class SchedulerOutput:
         return sum(item.num_new_tokens for item in self.scheduled)
 
     @property
-    def num_draft_tokens(self) -> int:
-        return sum(item.num_draft_tokens for item in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 

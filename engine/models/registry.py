@@ -158,6 +158,12 @@ HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "Mis
 ARCHITECTURES.update({name: ARCHITECTURES[causal] for name, causal in HEADLESS_ARCHITECTURES.items()})
 
 
+def is_headless(architectures: list[str] | None) -> bool:
+    """Whether a checkpoint of these architectures (its config's) is a decoder without its LM head (an embedding
+    model's transformer)."""
+    return any(name in HEADLESS_ARCHITECTURES for name in architectures or [])
+
+
 def architecture_of(hf_config) -> Architecture:
     """The entry of the first of the config's `architectures` kvserve runs; `UnsupportedModelError` if none."""
     architectures = getattr(hf_config, "architectures", None) or []
