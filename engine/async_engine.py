@@ -34,6 +34,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.lora.peft_adapter import LoraAdapter
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.parallel.watchdog import STUCK_AFTER_TIMEOUTS, StepWatchdog
 from kvserve.engine.pooling import PoolingConfig
 from kvserve.engine.request import ChatPrompt, CoreRequest, GenerationRequest, ProcessedRequest
 from kvserve.engine.startup import StartupProgress
@@ -222,7 +223,7 @@ class AsyncLLMEngine:
         self.stall_timeout_s = stall_timeout_s
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.unhealthy_after_failure_s = unhealthy_after_failure_s
-        self.failed = False  # set when the loop stopped after too many failed steps in a row
+        self.failed = False  # set when the loop stopped (too many failed steps in a row, or a tensor-parallel one)
         self.failure: str | None = None  # why, once `failed`
         self._on_stats = on_stats
         self._stats = StatsTracker()  # engine thread only
@@ -453,22 +454,33 @@ class AsyncLLMEngine:
             return
         finally:
             self._ready.set()
+        watchdog = None
+        if self.engine.core.is_tensor_parallel:
+            limit_s = STUCK_AFTER_TIMEOUTS * self.engine.core.config.tensor_parallel_timeout_s
+            watchdog = StepWatchdog(limit_s, self._on_stuck_step)
         try:
-            self._loop_steps()
+            self._loop_steps(watchdog)
         finally:
+            if watchdog is not None:
+                watchdog.close()
             self.engine.close()
 
-    def _loop_steps(self) -> None:
+    def _loop_steps(self, watchdog: StepWatchdog | None) -> None:
         core = self.engine.core
         while self._apply_commands(block=not core.has_unfinished()):
             start_s = time.monotonic()
             try:
+                if watchdog is not None:
+                    watchdog.step_started()
                 result = core.step()
             except Exception as error:  # a failed step must not kill the loop or strand clients
                 logger.exception("engine step failed; failing the requests in flight")
                 if self._step_failed(error):
                     return
                 continue
+            finally:
+                if watchdog is not None:
+                    watchdog.step_ended()
             if result.ran_model:  # only a step that ran the model shows it works
                 self._num_failed_steps_in_a_row = 0
             self._last_progress_s = time.monotonic()
@@ -531,7 +543,7 @@ class AsyncLLMEngine:
         self._report_stats()
         core = self.engine.core
         if core.is_tensor_parallel:  # a collective failed or was cut short: the ranks are out of step
-            failure = core.rank_failure() or f"a tensor-parallel step failed ({error})"
+            failure = self.failure or core.rank_failure() or f"a tensor-parallel step failed ({error})"
             core.kill_ranks()  # nothing to wait for: a hung rank would not hear a stop
         elif self._num_failed_steps_in_a_row < self.max_consecutive_step_failures:
             return False
@@ -541,6 +553,13 @@ class AsyncLLMEngine:
         self._stop(EngineUnavailableError(f"the engine stopped: {failure}"))
         self.failure, self.failed = failure, True
         return True
+
+    def _on_stuck_step(self, failure: str) -> None:
+        """From the watchdog's thread: a tensor-parallel step is stuck. The engine has failed (the server exits on
+        it); killing the other ranks fails the collective the step may wait in, so its requests get their error."""
+        logger.error("%s; the engine stops", failure)
+        self.failure, self.failed = failure, True
+        self.engine.core.kill_rank_processes()
 
     def _stop(self, error: Exception) -> None:
         """Refuse new requests, then fail every request in flight and every one still queued."""

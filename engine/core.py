@@ -464,6 +464,11 @@ class EngineCore:
         if self.ranks is not None:
             self.ranks.kill()
 
+    def kill_rank_processes(self) -> None:
+        """Kill the ranks this engine spawned, and nothing else (any thread may call it: the group stays joined)."""
+        if self.ranks is not None:
+            self.ranks.kill_processes()
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any, and the events publisher (the core takes no more steps)."""
         if self.kv_events is not None:

@@ -93,7 +93,32 @@ def assert_all_gone(pids: set[int], within_s: float = 0.0) -> None:
         if not alive or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    assert not alive, f"processes left behind: {alive}"
+    assert not alive, "processes left behind:\n" + "\n".join(_describe(pid) for pid in sorted(alive))
+
+
+def _describe(pid: int) -> str:
+    """A process left behind, for the failure message: its state, parent and command line, and which other
+    processes hold the pipes it has open (what keeps a process that waits for its pipe to close alive)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid}: gone while described"
+    pipes = {link for link in _fd_links(pid) if link.startswith("pipe:")}
+    holders = sorted(
+        (other, link) for other in map(int, filter(str.isdigit, os.listdir("/proc"))) if other != pid
+        for link in _fd_links(other) if link in pipes
+    )  # fmt: skip
+    return f"{pid}: state {fields[0]}, parent {fields[1]}: {command[:200]}; its pipes also held by {holders}"
+
+
+def _fd_links(pid: int) -> list[str]:
+    links = []
+    with contextlib.suppress(OSError):
+        for fd in list(Path(f"/proc/{pid}/fd").iterdir()):
+            with contextlib.suppress(OSError):  # closed while we looked
+                links.append(os.readlink(fd))
+    return links
 
 
 def free_port() -> int:

@@ -143,6 +143,25 @@ def test_a_rank_that_dies_or_hangs_ends_the_server_with_status_1_naming_it(tiny_
         assert named in log and "exiting with status 1" in log, log
 
 
+def test_a_step_stuck_outside_every_collective_ends_the_server_through_the_watchdog(tiny_checkpoints, tmp_path):
+    """Rank 0 blocks inside a step where no collective timeout reaches it (an injected hang before the step's plan
+    is sent): after two timeouts the watchdog logs every thread's stack, the server exits with status 1, and the
+    request in flight gets an error."""
+    timeout_s = 3
+    flags = (*FLAGS, "--tensor-parallel-timeout-s", str(timeout_s))
+    fault = {"KVSERVE_FAULT_INJECTION": "hang:0"}  # the first model step blocks (testing/fault_injection.py)
+    with serve_process(tiny_checkpoints["llama"], tmp_path, *flags, **fault) as server:
+        children = descendants(server.process.pid)
+        request = BackgroundRequest(server.base_url + COMPLETIONS, {**LONG, "model": TINY_MODEL})
+        assert server.wait_for_exit(2 * timeout_s + EXIT_TIMEOUT_S) == 1
+        request.join()
+        assert request.error is not None or request.response.status_code >= 500
+        _assert_gone_soon(children)
+        log = server.log()
+        assert "a tensor-parallel step failed: it ran for" in log and "exiting with status 1" in log, log
+        assert "every thread's stack follows" in log and "fault_injection.py" in log, log  # where it was stuck
+
+
 def test_a_split_that_does_not_divide_the_model_is_refused_at_start_up(tiny_checkpoints, tmp_path):
     command = serve_command(tiny_checkpoints["llama"], "--tensor-parallel-size", "3", "--port", str(free_port()))
     done = subprocess.run(command, env=process_env(tmp_path), cwd=tmp_path, capture_output=True, text=True,

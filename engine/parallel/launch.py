@@ -119,8 +119,11 @@ class Ranks:
     def kill(self) -> None:
         """End the spawned ranks now (no goodbye: they may not be listening) and leave the group."""
         self.stopped = True
-        _kill(self.processes)
+        self.kill_processes()
         self.group.leave()
+
+    def kill_processes(self) -> None:
+        _kill(self.processes)
 
 
 def start_ranks(config: EngineConfig, model_dir: Path, device: torch.device) -> Ranks:
