@@ -1,10 +1,13 @@
-"""Speculative decoding (prompt lookup) against plain decoding, offline, on the built-in default model.
+"""Speculative decoding (prompt lookup, suffix decoding) against plain decoding, offline, on the built-in default
+model.
 
-Two workloads of held-out KJV chapters (tests/data/default_model/held_out_chapters.txt, never trained on): "kjv"
+Workloads of held-out KJV chapters (tests/data/default_model/held_out_chapters.txt, never trained on): "kjv"
 continues a chapter from its first verses; "copy" gives a passage, a blank line and the passage's first words again,
-so that a model that copies finds every next token in the prompt. At each concurrency c (1, 4, 32), 2c requests (at
-least 4) run through an engine of c sequences, greedy, 128 tokens each (EOS ignored); the engines with and without
-drafts alternate, their order flipped each round. Printed per run: output tokens/s; with drafts also the mean
+so that a model that copies finds every next token in the prompt; "repeat" asks the kjv prompts twice, the second
+time after the first answers are done (suffix decoding's pool of finished outputs holds them; each timed run starts
+with an empty pool). At each concurrency c (1, 4, 32), 2c requests (at least 4) run through an engine of c sequences,
+greedy, 128 tokens each (EOS ignored); the engines with and without drafts alternate, their order flipped each
+round. Printed per run: output tokens/s; with drafts also the mean
 acceptance length (tokens a request gets from one verifying step: 1 + accepted drafts) and the share of drafts
 accepted. The outputs of both engines are checked to be equal before timing.
 
@@ -15,6 +18,7 @@ kvserve's.
 
     .venv/bin/python -m benchmarks.speculative --rounds 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --workload copy --num-speculative-tokens 8
+    .venv/bin/python -m benchmarks.speculative --method suffix --workload repeat
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
     .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
 """
@@ -33,7 +37,7 @@ from benchmarks.processes import child_cwd
 from benchmarks.vs_llama_cpp import qwen2_0_5b_dir
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.default_model import default_model_dir
-from kvserve.engine.speculative import SpeculativeConfig
+from kvserve.engine.speculative import SpeculativeConfig, SuffixProposer
 
 CHAPTERS = Path(__file__).resolve().parents[1] / "tests" / "data" / "default_model" / "held_out_chapters.txt"
 VLLM_WORKER = Path(__file__).with_name("vllm_spec_worker.py")
@@ -41,7 +45,11 @@ PROMPT_WORDS = 120
 
 
 def prompts_for(workload: str, num_prompts: int) -> list[str]:
-    """`num_prompts` prompts cut from the held-out chapters, each from its own place."""
+    """`num_prompts` prompts cut from the held-out chapters, each from its own place ("repeat": half as many, each
+    asked twice, the second time once the first ones are done, as agents and retries ask again)."""
+    if workload == "repeat":
+        first = prompts_for("kjv", num_prompts // 2)
+        return first + first
     words = CHAPTERS.read_text().split()
     prompts = []
     for i in range(num_prompts):
@@ -51,8 +59,17 @@ def prompts_for(workload: str, num_prompts: int) -> list[str]:
     return prompts
 
 
+def forget_outputs(llm: LLM) -> None:
+    """Empty a suffix proposer's pool of finished outputs: a run must not be drafted from an earlier run's answers
+    to the same prompts (only the "repeat" workload asks a prompt twice, within one run)."""
+    proposer = llm.engine.core.proposer
+    if isinstance(proposer, SuffixProposer):
+        proposer.forget_outputs()
+
+
 def timed_run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
     """Output tokens/s, and the drafts verified and accepted, over the whole batch of prompts."""
+    forget_outputs(llm)
     engine = llm.engine
     start_s = time.perf_counter()
     for prompt in prompts:
@@ -87,7 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
-    parser.add_argument("--workload", nargs="+", choices=["kjv", "copy"], default=["kjv", "copy"])
+    parser.add_argument("--workload", nargs="+", choices=["kjv", "copy", "repeat"], default=["kjv", "copy", "repeat"])
+    parser.add_argument("--method", nargs="+", choices=["ngram", "suffix"], default=["ngram", "suffix"])
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
@@ -96,20 +114,25 @@ def main() -> None:
         help="the built-in model, or the Qwen2-0.5B layer shapes with random weights (benchmarks/vs_llama_cpp.py)",
     )  # fmt: skip
     args = parser.parse_args()
-    config = SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens)
+    configs = {
+        method: SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens)
+        for method in args.method
+    }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     model = str(default_model_dir() if args.model == "default" else qwen2_0_5b_dir())
-    print(f"{model}; {config}; {args.max_tokens} tokens a request, greedy")
+    print(f"{model}; {list(configs.values())}; {args.max_tokens} tokens a request, greedy")
     rows = []
     for workload in args.workload:
         for concurrency in args.concurrency:
             prompts = prompts_for(workload, max(4, 2 * concurrency))
-            engines = {
-                "off": LLM(model, max_num_seqs=concurrency),
-                "ngram": LLM(model, max_num_seqs=concurrency, speculative_config=config),
-            }
-            outputs = {name: [o.token_ids for o in llm.generate(prompts, params)] for name, llm in engines.items()}
-            assert outputs["off"] == outputs["ngram"], "speculation changed a greedy output"
+            engines = {"off": LLM(model, max_num_seqs=concurrency)}
+            for method, config in configs.items():
+                engines[method] = LLM(model, max_num_seqs=concurrency, speculative_config=config)
+            outputs = {}
+            for name, llm in engines.items():
+                forget_outputs(llm)
+                outputs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+                assert outputs[name] == outputs["off"], f"{name} speculation changed a greedy output"
             runs = {name: [] for name in engines}
             for round_index in range(args.rounds):
                 order = list(engines) if round_index % 2 == 0 else list(engines)[::-1]
@@ -118,8 +141,8 @@ def main() -> None:
                     print(f"{workload} c={concurrency} round {round_index + 1} {name:6} "
                           f"{runs[name][-1]['tok_s']:8.1f} tok/s", flush=True)  # fmt: skip
             rows.append((workload, concurrency, runs))
-            if args.vllm_venv is not None:
-                vllm_config = {k: v for k, v in asdict(config).items() if k != "adaptive"}
+            if args.vllm_venv is not None and "ngram" in configs:
+                vllm_config = {k: v for k, v in asdict(configs["ngram"]).items() if k != "adaptive" and v is not None}
                 for name, setting in (("vllm-off", None), ("vllm-ngram", vllm_config)):
                     result = run_vllm(args.vllm_venv, model, prompts, concurrency, args.max_tokens, setting)
                     counters = result["counters"]
@@ -128,16 +151,20 @@ def main() -> None:
                     same = result["token_ids"] == outputs["off"]
                     print(f"{workload} c={concurrency} {name:10} {result['tok_s']:8.1f} tok/s, acceptance length "
                           f"{length:.2f}, outputs equal kvserve's: {same}", flush=True)  # fmt: skip
-    print("\n| workload | concurrency | off tok/s | ngram tok/s | speed-up | acceptance length | drafts accepted |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| workload | concurrency | method | off tok/s | method tok/s | speed-up | acceptance length "
+        "| drafts accepted |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for workload, concurrency, runs in rows:
         off = statistics.median(run["tok_s"] for run in runs["off"])
-        ngram = statistics.median(run["tok_s"] for run in runs["ngram"])
-        last = runs["ngram"][-1]
-        length = 1 + last["accepted"] / last["drafts"] if last["drafts"] else 1.0
-        share = last["accepted"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
-        print(f"| {workload} | {concurrency} | {off:.1f} | {ngram:.1f} | {ngram / off:.2f}x | {length:.2f} | "
-              f"{share:.0%} |")  # fmt: skip
+        for method in configs:
+            speculated = statistics.median(run["tok_s"] for run in runs[method])
+            last = runs[method][-1]
+            length = 1 + last["accepted"] / last["drafts"] if last["drafts"] else 1.0
+            share = last["accepted"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
+            print(f"| {workload} | {concurrency} | {method} | {off:.1f} | {speculated:.1f} | {speculated / off:.2f}x | "
+                  f"{length:.2f} | {share:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -33,7 +33,13 @@ from kvserve.engine.prompt_scoring import PromptScoring
 from kvserve.engine.request import CoreRequest
 from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.speculative import NgramProposer, SpeculationController, SpeculativeConfig, num_accepted_drafts
+from kvserve.engine.speculative import (
+    Proposer,
+    SpeculationController,
+    SpeculativeConfig,
+    make_proposer,
+    num_accepted_drafts,
+)
 from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
 from kvserve.engine.structured_output import GrammarCompiler, TokenMasks
@@ -120,9 +126,7 @@ class EngineCore:
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self.proposer, self.speculation = self._speculation(config.speculative_config)
 
-    def _speculation(
-        self, config: SpeculativeConfig | None
-    ) -> tuple[NgramProposer | None, SpeculationController | None]:
+    def _speculation(self, config: SpeculativeConfig | None) -> tuple[Proposer | None, SpeculationController | None]:
         if config is None:
             return None, None
         if self.pooler is not None:
@@ -130,7 +134,7 @@ class EngineCore:
         if self.runner.worker.inputs.long_rope is not None:
             # A draft past the original context would need the long rotary set before the request is that long.
             raise ValueError("speculative_config is not supported with LongRoPE models (Phi-3 long-context) yet")
-        return NgramProposer(config), SpeculationController(config.num_speculative_tokens, config.adaptive)
+        return make_proposer(config), SpeculationController(config.num_speculative_tokens, config.adaptive)
 
     def _start_kv_events(self, config: EngineConfig) -> "KVEventPublisher | None":
         if config.kv_events_endpoint is None:
@@ -199,7 +203,7 @@ class EngineCore:
         if request is None:
             return False
         self.scheduler.finish(request, reason)
-        self._forget(request_id)
+        self._forget(request)
         return True
 
     def finish_all(self) -> list[str]:
@@ -272,7 +276,7 @@ class EngineCore:
                 if reason is not None:
                     del request.output_token_ids[num_before + position + 1 :]  # accepted drafts after a stop token
                     self.scheduler.finish(request, reason)
-                    self._forget(request.request_id)
+                    self._forget(request)
                     break
         if self.kv_events is not None:
             self._publish_kv_events()
@@ -313,12 +317,13 @@ class EngineCore:
 
     @staticmethod
     def _speculates(request: Request, state: "_Sampling") -> bool:
-        """Whether the request verifies drafts: its row must not depend on the tokens before it (penalties, a
-        grammar, min_tokens still to reach), since every row of a verifying step samples with its first row's
-        settings; the rule that then keeps its output's distribution is `num_accepted_drafts`'."""
+        """Whether the request verifies drafts: it did not opt out, and its row must not depend on the tokens before
+        it (penalties, a grammar, min_tokens still to reach), since every row of a verifying step samples with its
+        first row's settings; the rule that then keeps its output's distribution is `num_accepted_drafts`'."""
         row, params = state.row, state.params
         return (
-            row.penalties is None
+            params.speculative_decoding
+            and row.penalties is None
             and row.grammar is None
             and params.prompt_logprobs is None
             and len(request.output_token_ids) >= params.min_tokens
@@ -338,7 +343,7 @@ class EngineCore:
             outputs.append(CoreOutput(request.request_id, NO_TOKEN, None, FinishReason.STOP, num_cached_tokens=0,
                                       embedding=vector.tolist()))  # fmt: skip
             self.scheduler.finish(request, FinishReason.STOP)
-            self._forget(request.request_id)
+            self._forget(request)
         if self.kv_events is not None:
             self._publish_kv_events()
         return StepResult(outputs, scheduler_output)
@@ -383,10 +388,12 @@ class EngineCore:
         banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
         return replace(sampling.row, banned_token_ids=banned)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request: Request) -> None:
+        request_id = request.request_id
         lora = self._sampling.pop(request_id).lora
         if self.speculation is not None:
             self.speculation.forget(request_id)
+            self.proposer.finished(request.output_token_ids)
         self._prompt_scoring.discard(request_id)
         if self.pooler is not None:
             self.pooler.discard(request_id)

@@ -36,6 +36,8 @@ class SamplingParams:
     none), computed while the prompt is prefilled; such a request never reuses cached prefix blocks.
     `logit_bias`: (token id, bias) pairs added to the logits before sampling.
     `structured_output`: only tokens that keep the output inside the grammar are sampled.
+    `speculative_decoding`: False keeps this request out of speculative decoding (one token a step), where the
+    engine speculates; it never changes the output.
     """
 
     max_tokens: int | None = 16  # None: the rest of the context window (resolved by the input processor)
@@ -56,6 +58,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: GrammarSpec | None = None
+    speculative_decoding: bool = True
 
     @property
     def is_greedy(self) -> bool:

@@ -142,6 +142,7 @@ class MessagesRequest(CountTokensRequest):
     seed: int | None = None
     ignore_eos: bool = False
     priority: int = 0  # with --scheduling-policy priority (as on chat)
+    speculative_decoding: bool = True  # kvserve's (as on chat)
     cache_salt: str | None = Field(default=None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
 

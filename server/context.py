@@ -93,6 +93,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         logit_bias=_logit_bias(body.logit_bias),
         structured_output=grammar,
+        speculative_decoding=body.speculative_decoding,
     )
 
 

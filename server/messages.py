@@ -132,7 +132,7 @@ def _chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(
             max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-            ignore_eos=body.ignore_eos, priority=body.priority,
+            ignore_eos=body.ignore_eos, priority=body.priority, speculative_decoding=body.speculative_decoding,
             cache_salt=body.cache_salt, structured_outputs=body.structured_outputs,
         )  # fmt: skip
     return ChatCompletionRequest.model_validate({key: value for key, value in fields.items() if value is not None})

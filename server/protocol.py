@@ -108,6 +108,7 @@ class SamplingFields(RequestModel):
     guided_grammar: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached prefixes only within a salt
     priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority only (else anything but 0 is a 400)
+    speculative_decoding: bool = True  # kvserve's: false keeps the request out of speculative decoding
     # SGLang's fields that vllm-router and sglang-router add to every request they forward, at these defaults:
     # accepted at values kvserve serves, refused otherwise (server/supported_fields.py).
     no_stop_trim: bool = False

@@ -204,7 +204,7 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompl
         "model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stop,
-        "ignore_eos": body.ignore_eos, "priority": body.priority,
+        "ignore_eos": body.ignore_eos, "priority": body.priority, "speculative_decoding": body.speculative_decoding,
         "cache_salt": body.cache_salt, "parallel_tool_calls": body.parallel_tool_calls,
         "structured_outputs": body.structured_outputs,
     }  # fmt: skip

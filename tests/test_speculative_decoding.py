@@ -429,6 +429,48 @@ def test_the_server_takes_the_setting_and_counts_drafts_in_its_metrics(tiny_chec
         assert live_figure() == pytest.approx(1 + accepted / drafts)
 
 
+def test_a_request_can_opt_out_offline(tiny_checkpoints):
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(3)
+    params = [GREEDY, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative_decoding=False),
+              GREEDY]  # fmt: skip
+    plain, speculated, _ = run_both(model, prompts, params, kv_cache_memory_bytes=4 << 20)
+    assert speculated.outputs == plain.outputs
+    assert speculated.verified == [True, False, True]
+
+
+def test_every_api_takes_the_opt_out(tiny_checkpoints):
+    """`speculative_decoding: false` on completions, chat, Responses and Messages: no drafts for that request; the
+    same request without it verifies drafts (prompt lookup of single tokens finds some in any text)."""
+    import httpx
+
+    from tests.server_harness import running_server
+
+    prompt = " ".join(["the cache is cut into blocks"] * 3)
+    bodies = {
+        "/v1/completions": {"prompt": prompt},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}]},
+        "/v1/responses": {"input": prompt, "max_output_tokens": 16},
+        "/v1/messages": {"messages": [{"role": "user", "content": prompt}]},
+    }
+    config = SpeculativeConfig(prompt_lookup_min=1, adaptive=False)
+    with running_server(model=str(tiny_checkpoints["llama"]), speculative_config=config,
+                        kv_cache_memory_bytes=4 << 20) as server:  # fmt: skip
+        model = server.ctx.model_name
+        for path, body in bodies.items():
+            drafts = []
+            for opt_out in (True, False):
+                request = {"model": model, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **body}
+                if path == "/v1/responses":
+                    request.pop("max_tokens")
+                if opt_out:
+                    request["speculative_decoding"] = False
+                before = server.metric("spec_decode_num_drafts_total")
+                response = httpx.post(server.base_url + path, json=request, timeout=60)
+                assert response.status_code == 200, response.text
+                drafts.append(server.metric("spec_decode_num_drafts_total") - before)
+            assert drafts[0] == 0 < drafts[1], path
+
+
 def test_two_tensor_parallel_ranks_verify_drafts_as_one(tiny_checkpoints):
     # Rank 0 plans each verifying step (its draft rows among the logits) and the other rank runs the same plan.
     model, prompts = tiny_checkpoints["qwen2"], copy_heavy_prompts(3)

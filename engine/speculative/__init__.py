@@ -3,6 +3,16 @@
 from kvserve.engine.speculative.config import SpeculativeConfig
 from kvserve.engine.speculative.controller import SpeculationController
 from kvserve.engine.speculative.ngram_proposer import NgramProposer
+from kvserve.engine.speculative.proposer import Proposer, make_proposer
+from kvserve.engine.speculative.suffix_proposer import SuffixProposer
 from kvserve.engine.speculative.verification import num_accepted_drafts
 
-__all__ = ["NgramProposer", "SpeculationController", "SpeculativeConfig", "num_accepted_drafts"]
+__all__ = [
+    "NgramProposer",
+    "Proposer",
+    "SpeculationController",
+    "SpeculativeConfig",
+    "SuffixProposer",
+    "make_proposer",
+    "num_accepted_drafts",
+]

@@ -31,3 +31,6 @@ class NgramProposer:
                     proposal.append(int(tokens[j - period]) if j - period < length else proposal[j - period - length])
                 return proposal
         return []
+
+    def finished(self, output_token_ids: list[int]) -> None:
+        """Prompt lookup looks at one request's own tokens only."""
