@@ -7,9 +7,10 @@ so that a model that copies finds every next token in the prompt; "repeat" asks 
 time after the first answers are done (suffix decoding's pool of finished outputs holds them; each timed run starts
 with an empty pool). At each concurrency c (1, 4, 32), 2c requests (at least 4) run through an engine of c sequences,
 greedy, 128 tokens each (EOS ignored); the engines with and without drafts alternate, their order flipped each
-round. Printed per run: output tokens/s; with drafts also the mean
-acceptance length (tokens a request gets from one verifying step: 1 + accepted drafts) and the share of drafts
-accepted. The outputs of both engines are checked to be equal before timing.
+round. Printed per run: output tokens/s; in the table the medians, the speed-up as the median of the rounds'
+ratios (the runs of a round ran side by side), and with drafts the mean acceptance length (tokens a request gets
+from one verifying step: 1 + accepted drafts) and the share of drafts accepted. The outputs of all engines are
+checked to be equal before timing.
 
 With `--vllm-venv`, vLLM's CPU build runs the same prompts at each concurrency with and without its n-gram
 speculation (the same settings), once each in its own process (timed inside, after a warm-up generation): its
@@ -152,19 +153,24 @@ def main() -> None:
                     print(f"{workload} c={concurrency} {name:10} {result['tok_s']:8.1f} tok/s, acceptance length "
                           f"{length:.2f}, outputs equal kvserve's: {same}", flush=True)  # fmt: skip
     print(
-        "\n| workload | concurrency | method | off tok/s | method tok/s | speed-up | acceptance length "
-        "| drafts accepted |"
+        "\n| workload | concurrency | method | off tok/s | method tok/s | speed-up | round ratios "
+        "| acceptance length | drafts accepted |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for workload, concurrency, runs in rows:
         off = statistics.median(run["tok_s"] for run in runs["off"])
         for method in configs:
             speculated = statistics.median(run["tok_s"] for run in runs[method])
+            # Runs of one round ran side by side: the median of their ratios is steadier than the medians' ratio.
+            ratios = [mine["tok_s"] / plain["tok_s"] for mine, plain in zip(runs[method], runs["off"], strict=True)]
             last = runs[method][-1]
             length = 1 + last["accepted"] / last["drafts"] if last["drafts"] else 1.0
             share = last["accepted"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
-            print(f"| {workload} | {concurrency} | {method} | {off:.1f} | {speculated:.1f} | {speculated / off:.2f}x | "
-                  f"{length:.2f} | {share:.0%} |")  # fmt: skip
+            print(
+                f"| {workload} | {concurrency} | {method} | {off:.1f} | {speculated:.1f} | "
+                f"{statistics.median(ratios):.2f}x | {', '.join(f'{ratio:.2f}' for ratio in ratios)} | {length:.2f} | "
+                f"{share:.0%} |"
+            )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from kvserve.engine.parallel.launch import start_ranks
 from kvserve.engine.pooling import Pooler, read_pooling_config
 from kvserve.engine.prompt_scoring import PromptScoring
 from kvserve.engine.request import CoreRequest
-from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample
+from kvserve.engine.sampler import LogitBias, PenaltyState, SamplingRow, sample, to_device
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.speculative import (
     Proposer,
@@ -235,11 +235,8 @@ class EngineCore:
                 request = item.request
                 state = states[request.request_id]
                 sampling.append((request, state, item.num_draft_tokens))
-                min_tokens = state.params.min_tokens
-                rows.append(state.row if not min_tokens else self._sampling_row(request, state))
-                if item.num_draft_tokens:  # nothing in the row depends on the tokens before (see _speculates)
-                    rows += [rows[-1]] * item.num_draft_tokens
-                    num_draft_rows += item.num_draft_tokens
+                rows += self._sampling_rows(request, state, item.num_draft_tokens)
+                num_draft_rows += item.num_draft_tokens
         prompt_rows, prompt_targets = self._prompt_scoring.rows(scheduler_output)
         lora_slots = None
         if self.loras is not None:
@@ -253,9 +250,13 @@ class EngineCore:
             new_tokens, num_accepted = _verify_drafts(sampling, sampled.token_ids)
             self.scheduler.update(scheduler_output, [tokens[-1] for tokens in new_tokens], num_accepted)
             accepted = iter(num_accepted)
-            for request, _, num_drafts in sampling:
+            for (request, state, num_drafts), tokens in zip(sampling, new_tokens, strict=True):
                 if num_drafts:
                     self.speculation.verified(request.request_id, num_drafts, next(accepted))
+                if len(tokens) > 1 and state.row.penalties is not None:
+                    # The first token was counted as its row sampled it; the others were counted on the draft rows'
+                    # copies of the counts, which end with this step.
+                    state.row.penalties.count(to_device(tokens[1:], torch.long, self.device))
         else:
             self.scheduler.update(scheduler_output, sampled.token_ids)
         outputs, logprobs, row = [], sampled.logprobs, 0
@@ -309,25 +310,18 @@ class EngineCore:
                 state.params.max_tokens - len(request.output_token_ids) - 1,
                 max_model_len - request.num_tokens - 1,
             )
-            if room > 0 and self._speculates(request, state):
+            if room > 0 and self._speculates(state):
                 request.draft_token_ids = self.proposer.propose(
                     request.prompt_token_ids + request.output_token_ids, room
                 )
         return True
 
     @staticmethod
-    def _speculates(request: Request, state: "_Sampling") -> bool:
-        """Whether the request verifies drafts: it did not opt out, and its row must not depend on the tokens before
-        it (penalties, a grammar, min_tokens still to reach), since every row of a verifying step samples with its
-        first row's settings; the rule that then keeps its output's distribution is `num_accepted_drafts`'."""
-        row, params = state.row, state.params
-        return (
-            params.speculative_decoding
-            and row.penalties is None
-            and row.grammar is None
-            and params.prompt_logprobs is None
-            and len(request.output_token_ids) >= params.min_tokens
-        )
+    def _speculates(state: "_Sampling") -> bool:
+        """Whether the request verifies drafts: it did not opt out, and has no grammar (whose state would have to
+        follow the drafts) and no prompt_logprobs; each row samples as decoding would after the drafts before it
+        (`_sampling_rows`), and the rule that then keeps its output's distribution is `num_accepted_drafts`'."""
+        return state.params.speculative_decoding and state.row.grammar is None and state.params.prompt_logprobs is None
 
     def _embedding_step(self, scheduler_output: SchedulerOutput) -> StepResult:
         """Run one batch of embedding requests' prompt chunks; each request whose prompt is done finishes with its
@@ -380,10 +374,29 @@ class EngineCore:
             return FinishReason.LENGTH
         return None
 
-    def _sampling_row(self, request: Request, sampling: "_Sampling") -> SamplingRow:
-        """Its row; before min_tokens, one that bans EOS and the stop ids."""
+    def _sampling_rows(self, request: Request, sampling: "_Sampling", num_drafts: int) -> list[SamplingRow]:
+        """The rows its next token and the token after each of its `num_drafts` drafts are sampled with: each as
+        decoding without drafts would sample it had the drafts before it been output (penalties count them, and so
+        does min_tokens)."""
+        first = self._sampling_row(request, sampling) if sampling.params.min_tokens else sampling.row
+        if not num_drafts:
+            return [first]
+        if first.penalties is None and len(request.output_token_ids) >= sampling.params.min_tokens:
+            return [first] * (1 + num_drafts)
+        rows, penalties = [first], first.penalties
+        for ahead, draft in enumerate(request.draft_token_ids[:num_drafts], start=1):
+            row = self._sampling_row(request, sampling, ahead)
+            if penalties is not None:
+                penalties = penalties.with_counted(draft)
+                row = replace(row, penalties=penalties)
+            rows.append(row)
+        return rows
+
+    def _sampling_row(self, request: Request, sampling: "_Sampling", ahead: int = 0) -> SamplingRow:
+        """Its row for the token `ahead` tokens after its output so far; before min_tokens, one that bans EOS and the
+        stop ids."""
         params = sampling.params
-        if len(request.output_token_ids) >= params.min_tokens:
+        if len(request.output_token_ids) + ahead >= params.min_tokens:
             return sampling.row
         banned = params.stop_token_ids + (() if params.ignore_eos else tuple(self.eos_token_ids))
         return replace(sampling.row, banned_token_ids=banned)

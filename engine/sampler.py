@@ -41,6 +41,12 @@ class PenaltyState:
     def count(self, token_ids: torch.Tensor) -> None:
         self.output_counts.index_add_(0, token_ids, torch.ones(len(token_ids), device=token_ids.device))
 
+    def with_counted(self, token_id: int) -> PenaltyState:
+        """A copy that has also seen `token_id` generated (a draft row's counts: the original stays as it is)."""
+        output_counts = self.output_counts.clone()
+        output_counts[token_id] += 1
+        return PenaltyState(self.prompt_mask, output_counts)
+
 
 @dataclass(frozen=True)
 class LogitBias:

@@ -92,6 +92,9 @@ def test_speculation_runs_at_the_batch_sizes_where_measured_steps_gain():
     assert controller.speculates(4) and not controller.speculates(32)
     assert controller.speculates(33)
     assert all(SpeculationController(4, adaptive=False).speculates(64) for _ in range(40))
+    controller = SpeculationController(max_drafts=4)
+    marginal = decisions(40, rate_with=103.0, rate_without=100.0)  # a gain under MIN_GAIN is no gain
+    assert 12 <= marginal.count(True) <= 14
 
     # A slow first step with drafts (new shapes to set up) does not decide alone: the mean of the first steps does.
     warming = SpeculationController(max_drafts=4)
@@ -279,21 +282,26 @@ def test_the_offline_api_speculates(tiny_checkpoints):
     assert [(o.token_ids, o.text) for o in outputs] == [(o.token_ids, o.text) for o in expected]
 
 
-def test_requests_whose_rows_depend_on_earlier_tokens_do_not_speculate(tiny_checkpoints):
-    # Penalties and min_tokens still to reach change a row by the tokens before it: such requests run without
-    # drafts, beside requests that verify drafts, with the same outputs; logprobs come from each accepted token's row.
-    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(4)
+def test_penalties_and_min_tokens_count_the_drafts_before_each_row(tiny_checkpoints):
+    # A verifying request's row after k drafts samples as decoding would after those k tokens: penalties count them
+    # and min_tokens counts them. Greedy outputs equal decoding without drafts, with drafts accepted; requests with
+    # a grammar or prompt_logprobs still decode one token a step; logprobs come from each accepted token's row.
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(5)
     params = [
-        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.02, frequency_penalty=0.05,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, presence_penalty=0.3, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20),
         SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
-        GREEDY,
-    ]
+        SamplingParams(max_tokens=20, temperature=0.0, prompt_logprobs=1, ignore_eos=True),
+    ]  # fmt: skip
     plain, speculated, _ = run_both(model, prompts, params, kv_cache_memory_bytes=4 << 20)
     assert speculated.outputs == plain.outputs
-    assert speculated.verified == [False, False, True, True]
+    assert speculated.verified == [True, True, True, True, False]
+    accepted = [sum(len(delta.token_ids) > 1 for delta in deltas) for deltas in speculated.deltas.values()]
+    assert all(accepted[:4]), accepted  # each of the first four got several tokens from some step
     logprobs, expected = (
-        [entry for delta in list(run.deltas.values())[2] for entry in delta.logprobs] for run in (speculated, plain)
+        [entry for delta in list(run.deltas.values())[3] for entry in delta.logprobs] for run in (speculated, plain)
     )
     assert [entry.token_id for entry in logprobs] == [entry.token_id for entry in expected]
     for entry, reference in zip(logprobs, expected, strict=True):

@@ -24,6 +24,9 @@ def test_the_most_frequent_continuation_of_the_longest_match_is_proposed():
     # A match of two tokens earns two draft tokens at most (max_spec_factor 1.0), however many are asked for.
     assert proposer.propose([5, 7, 8, 1, 2, 3, 4, 0, 0, 1, 2], 8) == [3, 4]
     assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    # A loop runs on past the end of the text with its period (a match of five earns five drafts).
+    assert proposer.propose([7, 1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
+    assert proposer.propose([9, 5, 5, 5, 5, 5], 8) == [5, 5, 5, 5]
 
 
 def test_rare_continuations_are_not_proposed():

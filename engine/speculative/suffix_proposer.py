@@ -62,27 +62,30 @@ class SuffixProposer:
 
     def _continue(self, tokens: np.ndarray, text: np.ndarray, ends: np.ndarray, max_tokens: int) -> Proposal:
         """The proposal from `text`, given `ends`: the positions in `text` where the last token of `tokens` occurs
-        (each followed by a token of `text`, or END). The match grows backwards while some occurrence still
-        agrees, up to max_depth tokens; then the most frequent next token is taken while frequent enough."""
-        match_len = 1
-        while ends.size and match_len < min(self.max_depth, len(tokens)):
-            starts = ends - match_len
-            agrees = starts >= 0
-            agrees[agrees] = text[starts[agrees]] == tokens[-1 - match_len]
-            if not agrees.any():
-                break
-            ends, match_len = ends[agrees], match_len + 1
+        (each followed by a token of `text` or of the proposal, or by END). The match is the longest agreement
+        backwards, up to max_depth tokens, of any occurrence; then the most frequent next token is taken while
+        frequent enough."""
+        if not ends.size:
+            return Proposal.none()
+        # How far back each occurrence agrees with the text's end (all at once: [occurrences, depth]); the longest
+        # agreements are the match.
+        back = np.arange(min(self.max_depth, len(tokens)))
+        positions = ends[:, None] - back
+        agrees = (positions >= 0) & (text[np.maximum(positions, 0)] == tokens[-1 - back])
+        lengths = np.cumprod(agrees, axis=1).sum(axis=1)
+        match_len = int(lengths.max())
+        ends = ends[lengths == match_len]
         limit = min(max_tokens, int(self.max_spec_factor * match_len))
         proposal, expected, likelihood = [], 0.0, 1.0
         while len(proposal) < limit:
-            ends = ends[ends + 1 < len(text)]  # the request's own text: its last token has nothing after it yet
-            if not ends.size:
-                break
-            following = text[ends + 1]
-            # The most frequent next token; of equally frequent ones, the one seen last (`ends` ascend).
-            values, last_seen, counts = np.unique(following[::-1], return_index=True, return_counts=True)
-            best = max(range(len(values)), key=lambda i: (counts[i], -last_seen[i]))
-            token, frequency = int(values[best]), counts[best] / ends.size
+            # What followed each occurrence. In the request's own text the latest occurrence may run into the
+            # proposal itself: a loop then goes on with its period, as the text would if it repeated.
+            following = text[np.minimum(ends + 1, len(text) - 1)]
+            past_end = ends + 1 >= len(text)
+            if past_end.any():
+                following[past_end] = np.asarray(proposal, dtype=np.int64)[ends[past_end] + 1 - len(text)]
+            token, count = _most_frequent(following.tolist())
+            frequency = count / ends.size
             if token == END or frequency < self.min_token_prob:
                 break
             likelihood *= frequency
@@ -90,6 +93,18 @@ class SuffixProposer:
             proposal.append(token)
             ends = ends[following == token] + 1
         return Proposal(proposal, expected)
+
+
+def _most_frequent(values: list[int]) -> tuple[int, int]:
+    """The most frequent of `values` and its count; of equally frequent ones, the one that occurs last (after a
+    match, `values` are in text order). A dict, not np.unique: after a match there are few values."""
+    counts: dict[int, int] = {}
+    last_seen: dict[int, int] = {}
+    for index, value in enumerate(values):
+        counts[value] = counts.get(value, 0) + 1
+        last_seen[value] = index
+    best = max(counts, key=lambda value: (counts[value], last_seen[value]))
+    return best, counts[best]
 
 
 def _occurrences_in(tokens: np.ndarray) -> np.ndarray:
