@@ -225,6 +225,7 @@ class AsyncLLMEngine:
         self.unhealthy_after_failure_s = unhealthy_after_failure_s
         self.failed = False  # set when the loop stopped (too many failed steps in a row, or a tensor-parallel one)
         self.failure: str | None = None  # why, once `failed`
+        self._stuck = False  # a tensor-parallel step the watchdog found stuck: the engine thread may never return
         self._on_stats = on_stats
         self._stats = StatsTracker()  # engine thread only
         self._stats_window = StatsWindow()  # engine thread only
@@ -396,7 +397,8 @@ class AsyncLLMEngine:
         with self._lock:  # with `generate` under the same lock, no request is queued behind the stop command
             self._refusal = "the server is shutting down"
             self._commands.put(None)
-        if self.ready:  # a build under way is not waited for: its thread is a daemon, and dies with the process
+        # A build under way is not waited for, nor a stuck step: the thread is a daemon, and dies with the process.
+        if self.ready and not self._stuck:
             self._thread.join(timeout=10)
 
     async def engine_state(self) -> EngineState:
@@ -457,7 +459,7 @@ class AsyncLLMEngine:
         watchdog = None
         if self.engine.core.is_tensor_parallel:
             limit_s = STUCK_AFTER_TIMEOUTS * self.engine.core.config.tensor_parallel_timeout_s
-            watchdog = StepWatchdog(limit_s, self._on_stuck_step)
+            watchdog = StepWatchdog(limit_s, self.engine.core.ranks.group.progress, self._on_stuck_step)
         try:
             self._loop_steps(watchdog)
         finally:
@@ -556,10 +558,18 @@ class AsyncLLMEngine:
 
     def _on_stuck_step(self, failure: str) -> None:
         """From the watchdog's thread: a tensor-parallel step is stuck. The engine has failed (the server exits on
-        it); killing the other ranks fails the collective the step may wait in, so its requests get their error."""
+        it), every request in flight gets its error now (the engine thread may never come back to fail them), and
+        killing the other ranks fails the collective the step may wait in."""
         logger.error("%s; the engine stops", failure)
-        self.failure, self.failed = failure, True
+        with self._lock:
+            self._refusal = f"the engine stopped: {failure}"
+        self.failure, self.failed, self._stuck = failure, True, True
+        self._post(self._fail_streams, EngineUnavailableError(f"the engine stopped: {failure}"))
         self.engine.core.kill_rank_processes()
+
+    def _fail_streams(self, error: Exception) -> None:
+        """On the event loop: fail every request's stream."""
+        self._on_failure(list(self._streams), error)
 
     def _stop(self, error: Exception) -> None:
         """Refuse new requests, then fail every request in flight and every one still queued."""

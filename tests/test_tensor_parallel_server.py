@@ -145,8 +145,9 @@ def test_a_rank_that_dies_or_hangs_ends_the_server_with_status_1_naming_it(tiny_
 
 def test_a_step_stuck_outside_every_collective_ends_the_server_through_the_watchdog(tiny_checkpoints, tmp_path):
     """Rank 0 blocks inside a step where no collective timeout reaches it (an injected hang before the step's plan
-    is sent): after two timeouts the watchdog logs every thread's stack, the server exits with status 1, and the
-    request in flight gets an error."""
+    is sent): after two timeouts without a collective the watchdog logs every thread's stack, the request in flight
+    gets a 503 naming it (not a cancelled task's 500), and the server exits with status 1 without waiting on the
+    stuck thread."""
     timeout_s = 3
     flags = (*FLAGS, "--tensor-parallel-timeout-s", str(timeout_s))
     fault = {"KVSERVE_FAULT_INJECTION": "hang:0"}  # the first model step blocks (testing/fault_injection.py)
@@ -155,10 +156,12 @@ def test_a_step_stuck_outside_every_collective_ends_the_server_through_the_watch
         request = BackgroundRequest(server.base_url + COMPLETIONS, {**LONG, "model": TINY_MODEL})
         assert server.wait_for_exit(2 * timeout_s + EXIT_TIMEOUT_S) == 1
         request.join()
-        assert request.error is not None or request.response.status_code >= 500
+        assert request.response is not None and request.response.status_code == 503, request.error
+        assert "a tensor-parallel step failed" in request.response.json()["error"]["message"]
         _assert_gone_soon(children)
         log = server.log()
-        assert "a tensor-parallel step failed: it ran for" in log and "exiting with status 1" in log, log
+        assert "a tensor-parallel step failed: no collective finished for" in log, log
+        assert "exiting with status 1" in log, log
         assert "every thread's stack follows" in log and "fault_injection.py" in log, log  # where it was stuck
 
 

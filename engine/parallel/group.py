@@ -7,7 +7,8 @@ step has the group's timeout: a rank that died or hangs makes the others' next c
 Only a worker's wait for the next step is unbounded.
 """
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -21,6 +22,17 @@ START_UP_TIMEOUT_S = 600.0
 IDLE_TIMEOUT = timedelta(days=365)
 
 
+class CollectiveProgress:
+    """When this rank last finished a collective or began a step: what rank 0's step watchdog watches
+    (engine/parallel/watchdog.py)."""
+
+    def __init__(self) -> None:
+        self.last_s = time.monotonic()
+
+    def mark(self) -> None:
+        self.last_s = time.monotonic()
+
+
 @dataclass(frozen=True)
 class TensorParallelGroup:
     rank: int
@@ -30,6 +42,7 @@ class TensorParallelGroup:
     start_up_group: dist.ProcessGroup  # gloo, with START_UP_TIMEOUT_S: what the ranks settle before serving
     next_step_group: dist.ProcessGroup  # gloo, with IDLE_TIMEOUT: the header announcing each step
     timeout_s: float
+    progress: CollectiveProgress = field(default_factory=CollectiveProgress, compare=False)
 
     @classmethod
     def join(
@@ -47,20 +60,24 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place."""
         dist.all_reduce(tensor, group=self.device_group)
+        self.progress.mark()
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """The largest over the ranks, in place."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.device_group)
+        self.progress.mark()
         return tensor
 
     def gather_on_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape on each), on rank 0, by rank; None elsewhere."""
         if self.rank != 0:
             dist.gather(tensor, None, dst=0, group=self.device_group)
+            self.progress.mark()
             return None
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.gather(tensor, parts, dst=0, group=self.device_group)
+        self.progress.mark()
         return parts
 
     def min_over_ranks(self, value: int) -> int:
@@ -73,6 +90,7 @@ class TensorParallelGroup:
         """Rank 0's host `tensor` into every rank's `tensor` (same shape and dtype). What `announces_step` is waited
         for without a timeout: the server may idle for hours between steps."""
         dist.broadcast(tensor, src=0, group=self.next_step_group if announces_step else self.host_group)
+        self.progress.mark()
         return tensor
 
     def leave(self) -> None:
