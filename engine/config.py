@@ -63,8 +63,8 @@ class EngineConfig:
     scheduling_policy: "fcfs" (arrival order; a request's `priority` must be 0) or "priority" (vLLM's: the waiting
         queue ordered by (priority, arrival), lower values first; the lowest-priority running request is preempted
         when memory runs short, and a waiting request that does not fit preempts running ones of lower priority).
-    speculative_config: speculative decoding (engine/speculative/config.py: vLLM's keys, method "ngram"; a dict of
-        them is taken too); None: off.
+    speculative_config: speculative decoding (engine/speculative/config.py: vLLM's keys, methods "ngram", "suffix"
+        and "draft_model"; a dict of them is taken too); None: off.
     """
 
     model: str | None = None
@@ -128,6 +128,9 @@ class EngineConfig:
         self._check_lora()
         if isinstance(self.speculative_config, dict):  # vLLM's form: LLM(model, speculative_config={...})
             object.__setattr__(self, "speculative_config", SpeculativeConfig(**self.speculative_config))
+        speculative = self.speculative_config
+        if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method draft_model is not supported with tensor parallelism yet")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:

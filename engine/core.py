@@ -3,9 +3,9 @@
 It queues `CoreRequest`s the input processor accepted and, each step, schedules a batch, runs the model, samples
 one token for every request that reached its last token, and applies the stop conditions it can see without text:
 stop tokens (EOS unless ignored, `stop_token_ids`), `max_tokens`, and a grammar that rejects a token. With
-speculative decoding on, a decoding request also runs the draft tokens the proposer gives it and gets every draft
-the model's choice agrees with, then the model's own next token, in one step (greedy: the same tokens as without
-drafts; sampled: the same distribution).
+speculative decoding on, a decoding request also runs the draft tokens the proposer gives it (a draft model gives
+them once the step is scheduled) and gets every draft the model's choice agrees with, then the model's own next
+token, in one step (greedy: the same tokens as without drafts; sampled: the same distribution).
 What a step did comes back as one typed `StepResult`; text, stop strings and deltas are the output processor's.
 
 Besides the step it keeps the policies that decide what a step computes: prompt logprobs (`PromptScoring`), and
@@ -22,6 +22,7 @@ import torch
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.cpu_memory import keep_freed_memory_resident
+from kvserve.engine.default_model import default_draft_dir, default_model_dir
 from kvserve.engine.engine_state import EngineState, StatsWindow, take_engine_state
 from kvserve.engine.lora.manager import LoraManager
 from kvserve.engine.lora.peft_adapter import LoraAdapter
@@ -39,6 +40,13 @@ from kvserve.engine.speculative import (
     SpeculativeConfig,
     make_proposer,
     num_accepted_drafts,
+)
+from kvserve.engine.speculative.config import DEFAULT_DRAFT
+from kvserve.engine.speculative.draft_model import (
+    UNPROPOSED,
+    DraftModel,
+    draft_kv_spec,
+    load_draft_model,
 )
 from kvserve.engine.startup import StartupProgress
 from kvserve.engine.step_result import EMPTY_STEP, CoreOutput, StepResult
@@ -58,6 +66,8 @@ from kvserve.scheduler import (
 )
 
 if TYPE_CHECKING:
+    import llguidance
+
     from kvserve.engine.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -120,13 +130,17 @@ class EngineCore:
         )
         self.loras = LoraManager(config.max_loras, self.runner.worker.write_lora) if config.enable_lora else None
         self.kv_events = self._start_kv_events(config)
-        self._token_masks = TokenMasks(config.max_num_seqs, grammars.mask_vocab_size, self.vocab_size, self.device)
+        # A logit row per request, and one per draft with speculative decoding: any of them may have a grammar.
+        speculative = config.speculative_config
+        max_rows = config.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative is not None else 0))
+        self._token_masks = TokenMasks(max_rows, grammars.mask_vocab_size, self.vocab_size, self.device)
         self._sampling: dict[str, _Sampling] = {}
         self._prompt_scoring = PromptScoring()
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)  # for unseeded requests
         self.proposer, self.speculation = self._speculation(config.speculative_config)
 
     def _speculation(self, config: SpeculativeConfig | None) -> tuple[Proposer | None, SpeculationController | None]:
+        """The proposer of a text method (None for a draft model: `self.draft_model`), and the controller."""
         if config is None:
             return None, None
         if self.pooler is not None:
@@ -134,7 +148,8 @@ class EngineCore:
         if self.runner.worker.inputs.long_rope is not None:
             # A draft past the original context would need the long rotary set before the request is that long.
             raise ValueError("speculative_config is not supported with LongRoPE models (Phi-3 long-context) yet")
-        return make_proposer(config), SpeculationController(config.num_speculative_tokens, config.adaptive)
+        proposer = make_proposer(config) if config.method != "draft_model" else None
+        return proposer, SpeculationController(config.num_speculative_tokens, config.adaptive)
 
     def _start_kv_events(self, config: EngineConfig) -> "KVEventPublisher | None":
         if config.kv_events_endpoint is None:
@@ -160,12 +175,33 @@ class EngineCore:
 
     def _build_worker(self, config: EngineConfig, progress: StartupProgress) -> None:
         group = self.ranks.group if self.ranks is not None else None
-        worker = Worker.load(config, self.model_dir, self.device, group, progress)
+        draft = None
+        speculative = config.speculative_config
+        if speculative is not None and speculative.method == "draft_model":
+            with progress.phase("loading the draft model"):
+                draft = load_draft_model(config, self._draft_dir(speculative.model), self.device)
+        draft_bytes = draft_kv_spec(config, draft).bytes_per_token if draft is not None else 0
+        worker = Worker.load(config, self.model_dir, self.device, group, progress, draft_bytes)
         self.runner = ModelRunner(worker, config.max_num_seqs, group)
         self.model, self.kv_cache, self.limits = worker.model, worker.kv_cache, worker.limits
+        self.draft_model = None
+        if draft is not None:
+            self.draft_model = DraftModel.build(
+                draft, config, worker.model, worker.kv_cache.num_blocks, worker.limits, self.device
+            )
         self.vocab_size = self.model.config.vocab_size
         self._moe_blocks = [module for module in self.model.modules() if isinstance(module, SparseMoeBlock)]
         self.take_expert_tokens()  # the warm-up's and captures' tokens are no load
+
+    def _draft_dir(self, model: str) -> Path:
+        if model != DEFAULT_DRAFT:
+            return Path(model)
+        if self.model_dir.resolve() != default_model_dir().resolve():
+            raise ValueError(
+                f"speculative_config model {DEFAULT_DRAFT!r} is the built-in model's draft; for {self.model_dir} give "
+                "a draft checkpoint's directory (a smaller model with its tokenizer)"
+            )
+        return default_draft_dir()
 
     # Requests
 
@@ -223,8 +259,14 @@ class EngineCore:
         if self.runner.worker.inputs.long_rope is not None:
             self._recompute_requests_grown_past_short_rope()
         start_s = time.perf_counter()
-        speculating = self.proposer is not None and self._propose_drafts()
+        speculating = self.speculation is not None and self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
+        if self.draft_model is not None:
+            self.draft_model.release(scheduler_output.left_running)
+            if speculating:
+                self.draft_model.propose(
+                    scheduler_output.scheduled, self._grammars(scheduler_output), self._token_masks
+                )
         if scheduler_output.is_empty:
             return EMPTY_STEP
         if self.pooler is not None:
@@ -311,17 +353,31 @@ class EngineCore:
                 max_model_len - request.num_tokens - 1,
             )
             if room > 0 and self._speculates(state):
-                request.draft_token_ids = self.proposer.propose(
-                    request.prompt_token_ids + request.output_token_ids, room
-                )
+                if self.draft_model is not None:  # slots the draft model fills once the step is scheduled
+                    request.draft_token_ids = [UNPROPOSED] * room
+                else:
+                    drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids, room)
+                    grammar = state.row.grammar
+                    # Drafts past the first the grammar refuses would be rejected: not worth the step's budget.
+                    request.draft_token_ids = drafts[: grammar.validate_tokens(drafts)] if grammar else drafts
         return True
+
+    def _grammars(self, scheduler_output: SchedulerOutput) -> "dict[str, llguidance.LLMatcher]":
+        """The grammar matchers of the step's requests with drafts and structured outputs, by request id."""
+        grammars = {}
+        for item in scheduler_output.scheduled:
+            grammar = self._sampling[item.request.request_id].row.grammar if item.num_draft_tokens else None
+            if grammar is not None:
+                grammars[item.request.request_id] = grammar
+        return grammars
 
     @staticmethod
     def _speculates(state: "_Sampling") -> bool:
-        """Whether the request verifies drafts: it did not opt out, and has no grammar (whose state would have to
-        follow the drafts) and no prompt_logprobs; each row samples as decoding would after the drafts before it
-        (`_sampling_rows`), and the rule that then keeps its output's distribution is `num_accepted_drafts`'."""
-        return state.params.speculative_decoding and state.row.grammar is None and state.params.prompt_logprobs is None
+        """Whether the request verifies drafts: it did not opt out. Each row samples as decoding would after the
+        drafts before it (`_sampling_rows`), and the rule that then keeps its output's distribution is
+        `num_accepted_drafts`'. (Its prompt logprobs, if it wants them, are all scored before its first draft: a
+        request gets drafts only once its prompt is computed.)"""
+        return state.params.speculative_decoding
 
     def _embedding_step(self, scheduler_output: SchedulerOutput) -> StepResult:
         """Run one batch of embedding requests' prompt chunks; each request whose prompt is done finishes with its
@@ -376,19 +432,24 @@ class EngineCore:
 
     def _sampling_rows(self, request: Request, sampling: "_Sampling", num_drafts: int) -> list[SamplingRow]:
         """The rows its next token and the token after each of its `num_drafts` drafts are sampled with: each as
-        decoding without drafts would sample it had the drafts before it been output (penalties count them, and so
-        does min_tokens)."""
+        decoding without drafts would sample it had the drafts before it been output (penalties count them, so does
+        min_tokens, and a grammar has consumed them)."""
         first = self._sampling_row(request, sampling) if sampling.params.min_tokens else sampling.row
         if not num_drafts:
             return [first]
-        if first.penalties is None and len(request.output_token_ids) >= sampling.params.min_tokens:
+        grammar = first.grammar
+        if first.penalties is None and grammar is None and len(request.output_token_ids) >= sampling.params.min_tokens:
             return [first] * (1 + num_drafts)
+        drafts = request.draft_token_ids[:num_drafts]
+        grammars = _grammars_after_drafts(grammar, drafts) if grammar is not None else None
         rows, penalties = [first], first.penalties
-        for ahead, draft in enumerate(request.draft_token_ids[:num_drafts], start=1):
+        for ahead, draft in enumerate(drafts, start=1):
             row = self._sampling_row(request, sampling, ahead)
             if penalties is not None:
                 penalties = penalties.with_counted(draft)
                 row = replace(row, penalties=penalties)
+            if grammars is not None:
+                row = replace(row, grammar=grammars[ahead - 1])
             rows.append(row)
         return rows
 
@@ -406,6 +467,7 @@ class EngineCore:
         lora = self._sampling.pop(request_id).lora
         if self.speculation is not None:
             self.speculation.forget(request_id)
+        if self.proposer is not None:
             self.proposer.finished(request.output_token_ids)
         self._prompt_scoring.discard(request_id)
         if self.pooler is not None:
@@ -521,6 +583,21 @@ def _verify_drafts(
             targets = targets[: accepted + 1]
         new_tokens.append(targets)
     return new_tokens, num_accepted
+
+
+def _grammars_after_drafts(grammar: "llguidance.LLMatcher", drafts: list[int]) -> list["llguidance.LLMatcher"]:
+    """For each draft, a copy of the request's grammar matcher that has consumed the drafts up to it: the row after
+    a draft is masked as decoding would mask it had the drafts been output. Drafts come here already checked (text
+    proposals cut at the first token the grammar refuses, a draft model's proposed under the grammar); were one
+    refused all the same, the copies past it stay where the grammar last accepted, so that every row still allows
+    some token (the row before the refused draft cannot sample it: verification stops there)."""
+    num_valid = grammar.validate_tokens(drafts)
+    copies = []
+    for ahead in range(1, len(drafts) + 1):
+        copy = grammar.deep_copy()
+        copy.consume_tokens(drafts[: min(ahead, num_valid)])
+        copies.append(copy)
+    return copies
 
 
 def _keep_out_of_prefix_cache(request: Request) -> None:

@@ -26,3 +26,8 @@ def cache_root() -> Path:
 def default_model_dir() -> Path:
     """The shipped checkpoint's directory (inside the installed package)."""
     return Path(str(resources.files("kvserve.engine").joinpath("assets", "default_model")))
+
+
+def default_draft_dir() -> Path:
+    """The shipped draft model of the default model (speculative decoding; `benchmarks/train_default_draft.py`)."""
+    return Path(str(resources.files("kvserve.engine").joinpath("assets", "default_draft")))

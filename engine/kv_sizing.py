@@ -48,10 +48,11 @@ def step_limits(config: EngineConfig, model_config: DecoderConfig) -> StepLimits
 
 def build_kv_cache(
     config: EngineConfig, model: DecoderForCausalLM, device: torch.device, limits: StepLimits,
-    backend: KernelBackend, group: TensorParallelGroup | None = None,
+    backend: KernelBackend, group: TensorParallelGroup | None = None, shared_bytes_per_token: int = 0,
 ) -> KVCache:  # fmt: skip
     """The KV cache of this rank's KV heads, as many blocks as the budget holds (with tensor parallelism, as many
-    as the tightest rank's budget holds: block ids mean the same on every rank)."""
+    as the tightest rank's budget holds: block ids mean the same on every rank). `shared_bytes_per_token`: what
+    another cache in the same blocks (a draft model's) takes a token from the same budget."""
     model_config, plan = model.config, model.plan
     spec = KVCacheSpec(
         num_layers=model_config.num_layers,
@@ -61,7 +62,8 @@ def build_kv_cache(
         block_size=config.block_size,
     )
     budget_bytes = kv_cache_budget_bytes(config, model, spec, backend, device, limits.max_num_batched_tokens)
-    num_blocks = spec.num_blocks_for_budget(budget_bytes)
+    own_share = spec.bytes_per_token / (spec.bytes_per_token + shared_bytes_per_token)
+    num_blocks = spec.num_blocks_for_budget(int(budget_bytes * own_share))
     if group is not None:
         num_blocks = group.min_over_ranks(num_blocks)
     return KVCache.allocate(spec, num_blocks, device)

@@ -98,18 +98,17 @@ def send_stop(group: TensorParallelGroup) -> None:
     group.broadcast_from_first(torch.zeros(_HEADER_SIZE, dtype=torch.int64), announces_step=True)
 
 
-class StepPlanner:
-    """Rank 0: turns the scheduler's output into a `StepPlan`, keeping which block-table row each running request
-    holds and how many of its blocks every rank's table already has.
+class BlockTableRows:
+    """Which block-table row each running request holds, and how many of its blocks the tables already have: the
+    (row, column, block id) entries a plan carries are the blocks given since.
 
-    A request gets a row the first time it is scheduled and keeps it until it leaves the running batch
-    (finished, aborted or preempted); blocks are appended to its row as the scheduler allocates them. The last
-    row, `padding_row`, holds only the padding block: padding sequences of a batch point there.
+    A request gets a row the first time it is planned and keeps it until it leaves the running batch (finished,
+    aborted or preempted: `release`); blocks are appended to its row as the scheduler allocates them. The last row,
+    `padding_row`, holds only the padding block: padding sequences of a batch point there.
     """
 
-    def __init__(self, max_num_seqs: int, long_rope: bool) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
         self.padding_row = max_num_seqs
-        self.long_rope = long_rope
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._row_of: dict[str, int] = {}
         self._num_written = [0] * max_num_seqs
@@ -119,6 +118,34 @@ class StepPlanner:
         if row is not None:
             self._free_rows.append(row)
 
+    def row(self, request: Request, entry_rows: list, entry_columns: list, entry_blocks: list) -> int:
+        """The request's row, with the blocks the scheduler gave it since it was last planned added to the entries."""
+        row = self._row_of.get(request.request_id)
+        block_ids = request.block_ids
+        if row is not None and self._num_written[row] == len(block_ids):  # the common case: nothing new
+            return row
+        if row is None:
+            row = self._row_of[request.request_id] = self._free_rows.pop()
+            self._num_written[row] = 0
+        num_written = self._num_written[row]
+        if len(block_ids) > num_written:
+            new_blocks = block_ids[num_written:]
+            entry_rows += [row] * len(new_blocks)
+            entry_columns += range(num_written, len(block_ids))
+            entry_blocks += new_blocks
+            self._num_written[row] = len(block_ids)
+        return row
+
+
+class StepPlanner:
+    """Rank 0: turns the scheduler's output into a `StepPlan`, keeping which block-table row each running request
+    holds (`BlockTableRows`)."""
+
+    def __init__(self, max_num_seqs: int, long_rope: bool) -> None:
+        self.table_rows = BlockTableRows(max_num_seqs)
+        self.padding_row = self.table_rows.padding_row
+        self.long_rope = long_rope
+
     def plan(
         self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, graph_size: int = 0,
         lora_slots: list[int] | None = None,
@@ -127,11 +154,11 @@ class StepPlanner:
         of each request that samples, in schedule order (a request with draft tokens: of its last token and of each
         draft), then of `extra_logit_rows` (rows of the step's tokens).
         `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
+        table_rows = self.table_rows
         for request_id in output.left_running:
-            self.release(request_id)
+            table_rows.release(request_id)
         token_ids, query_lens, seq_lens, rows, sample_rows = [], [], [], [], []
         entry_rows, entry_columns, entry_blocks = [], [], []
-        row_of, num_written = self._row_of, self._num_written
         for item in output.scheduled:
             request, start, num_new_tokens = item.request, item.start_position, item.num_new_tokens
             end = start + num_new_tokens
@@ -145,10 +172,7 @@ class StepPlanner:
                 token_ids += request.token_ids(start, end)
             query_lens.append(num_new_tokens)
             seq_lens.append(end)
-            row = row_of.get(request.request_id)
-            if row is None or num_written[row] != len(request.block_ids):  # new to the batch, or given blocks
-                row = self._row(request, entry_rows, entry_columns, entry_blocks)
-            rows.append(row)
+            rows.append(table_rows.row(request, entry_rows, entry_columns, entry_blocks))
             if item.num_draft_tokens:  # every row: each checks the draft after it, the last gives one more token
                 sample_rows += range(len(token_ids) - 1 - item.num_draft_tokens, len(token_ids))
             elif item.samples_next_token:
@@ -168,18 +192,3 @@ class StepPlanner:
             graph_size=graph_size,
             lora_slots=None if lora_slots is None else np.array(lora_slots + [-1] * num_padding, dtype=np.int64),
         )
-
-    def _row(self, request: Request, entry_rows: list, entry_columns: list, entry_blocks: list) -> int:
-        """The request's row, with the blocks the scheduler gave it since the last step added to the entries."""
-        row = self._row_of.get(request.request_id)
-        if row is None:
-            row = self._row_of[request.request_id] = self._free_rows.pop()
-            self._num_written[row] = 0
-        num_written, block_ids = self._num_written[row], request.block_ids
-        if len(block_ids) > num_written:
-            new_blocks = block_ids[num_written:]
-            entry_rows += [row] * len(new_blocks)
-            entry_columns += range(num_written, len(block_ids))
-            entry_blocks += new_blocks
-            self._num_written[row] = len(block_ids)
-        return row

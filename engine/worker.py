@@ -57,11 +57,11 @@ class Worker:
     @classmethod
     def load(
         cls, config: EngineConfig, model_dir: Path, device: torch.device, group: TensorParallelGroup | None = None,
-        progress: StartupProgress | None = None,
+        progress: StartupProgress | None = None, draft_kv_bytes_per_token: int = 0,
     ) -> "Worker":  # fmt: skip
         """This rank's worker, ready to step: its shard loaded, the KV cache sized (as the tightest rank's budget
-        allows), kernels warmed up and decode graphs captured where the config and the device call for them; each
-        phase logged through `progress`."""
+        allows, less a draft model's cache in the same blocks), kernels warmed up and decode graphs captured where
+        the config and the device call for them; each phase logged through `progress`."""
         progress = progress or StartupProgress()
         with progress.phase("loading weights"):
             model = load_model(model_dir, config.torch_dtype(device, checkpoint_dtype(model_dir)), device, group)
@@ -80,7 +80,7 @@ class Worker:
                 config.max_lora_rank, lora_slots.nbytes / 2**20,
             )  # fmt: skip
         with progress.phase("sizing the KV cache"):
-            kv_cache = build_kv_cache(config, model, device, limits, backend, group)
+            kv_cache = build_kv_cache(config, model, device, limits, backend, group, draft_kv_bytes_per_token)
         log_kv_cache(model, kv_cache, device, model_dir)
         embeds = read_pooling_config(model_dir, config.task, config.pooling, config.normalize) is not None
         worker = cls(model, kv_cache, backend, limits, config.max_num_seqs, device, lora_slots, embeds)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from kvserve.engine import EngineConfig
 from kvserve.engine.speculative import SpeculativeConfig
+from kvserve.engine.speculative.config import DEFAULT_DRAFT
 
 ENV_PREFIX = "KVSERVE_"
 
@@ -76,8 +77,11 @@ class _ServerOnlySettings(BaseModel):
     @field_validator("speculative_config", mode="before", check_fields=False)
     @classmethod
     def _speculative_config(cls, value):
-        """JSON or YAML text (a flag, an env variable) read as the mapping it writes; unknown keys refused."""
+        """JSON or YAML text (a flag, an env variable) read as the mapping it writes; unknown keys refused. "default":
+        the built-in model's draft model (`{"model": "default"}`)."""
         value = yaml.safe_load(value) if isinstance(value, str) else value
+        if value == DEFAULT_DRAFT:
+            value = {"model": DEFAULT_DRAFT}
         if isinstance(value, dict):
             unknown = sorted(set(value) - {field.name for field in fields(SpeculativeConfig)})
             if unknown:

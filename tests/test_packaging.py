@@ -1,6 +1,7 @@
 """The built wheel carries what kvserve needs at run time: every module of its packages (the package list in
 pyproject.toml is explicit, so a new sub-package left off it would be missing from installed copies only), the
-console's static files, the default model's checkpoint, and the C++ kernels' sources (built on first use)."""
+console's static files, the default model's checkpoint and its draft's, and the C++ kernels' sources (built on first
+use)."""
 
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
-from kvserve.engine.default_model import default_model_dir
+from kvserve.engine.default_model import default_draft_dir, default_model_dir
 from kvserve.server.console import STATIC_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ def test_the_built_wheel_carries_the_console_the_default_model_and_the_kernel_so
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = [f"kvserve/server/console/static/{path.name}" for path in STATIC_DIR.iterdir()]
     expected += [f"kvserve/engine/assets/default_model/{path.name}" for path in default_model_dir().iterdir()]
+    expected += [f"kvserve/engine/assets/default_draft/{path.name}" for path in default_draft_dir().iterdir()]
     expected += [f"kvserve/kernels/csrc/{path.name}" for path in (REPO_ROOT / "kernels" / "csrc").iterdir()]
     assert [name for name in expected if name not in names] == []
     modules = [path.relative_to(REPO_ROOT) for folder in PACKAGE_FOLDERS for path in (REPO_ROOT / folder).rglob("*.py")]
