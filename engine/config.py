@@ -128,9 +128,6 @@ class EngineConfig:
         self._check_lora()
         if isinstance(self.speculative_config, dict):  # vLLM's form: LLM(model, speculative_config={...})
             object.__setattr__(self, "speculative_config", SpeculativeConfig(**self.speculative_config))
-        speculative = self.speculative_config
-        if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method draft_model is not supported with tensor parallelism yet")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_endpoint is None and self.kv_events_replay_endpoint is not None:

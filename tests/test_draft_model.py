@@ -167,6 +167,22 @@ def test_sampled_outputs_follow_the_targets_distribution_with_a_draft_unlike_it(
     assert pvalue > 0.001
 
 
+def test_two_tensor_parallel_ranks_verify_a_draft_models_drafts(tiny_checkpoints, perturbed_draft):
+    # The draft runs whole on rank 0 (its cache too: block ids mean the same on every rank), between the target's
+    # steps; the ranks verify its drafts as one.
+    model, prompts = tiny_checkpoints["llama"], copy_heavy_prompts(3)
+    expected = run(LLM(str(model), **KV), prompts, GREEDY)
+    with LLM(str(model), tensor_parallel_size=2, speculative_config=draft_config(perturbed_draft), **KV) as llm:
+        speculated = run(llm, prompts, GREEDY)
+        target_blocks = llm.engine.core.kv_cache.num_blocks
+    assert speculated.outputs == expected.outputs
+    assert speculated.num_drafts > 30 and 0 < speculated.num_accepted < speculated.num_drafts
+    # Rank 0's budget, less its draft's cache (2 layers of 2 KV heads against its own 1 head of the target's 2
+    # layers: a third), is the tightest, and every rank keeps that many blocks.
+    with LLM(str(model), tensor_parallel_size=2, **KV) as alone:
+        assert target_blocks == pytest.approx(alone.engine.core.kv_cache.num_blocks / 3, abs=1)
+
+
 def test_the_draft_cache_takes_its_share_of_the_kv_budget(tiny_checkpoints, unlike_draft):
     model = tiny_checkpoints["llama"]
     alone = LLM(str(model), **KV).engine.core.kv_cache
@@ -198,8 +214,6 @@ def test_draft_settings_are_checked(tiny_checkpoints, tmp_path, tokenizer):
         LLM(str(model), speculative_config=draft_config(other_vocab), **KV)
     with pytest.raises(ValueError, match="built-in model's draft"):
         LLM(str(model), speculative_config=SpeculativeConfig(model="default"), **KV)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        LLM(str(model), speculative_config=draft_config(model), tensor_parallel_size=2, **KV)
 
 
 def test_the_built_in_model_ships_a_draft_that_speeds_its_decoding_up_in_steps(tmp_path):
