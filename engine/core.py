@@ -38,6 +38,7 @@ from kvserve.engine.speculative import (
     Proposer,
     SpeculationController,
     SpeculativeConfig,
+    grammars_after_drafts,
     make_proposer,
     num_accepted_drafts,
 )
@@ -358,8 +359,9 @@ class EngineCore:
                 else:
                     drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids, room)
                     grammar = state.row.grammar
-                    # Drafts past the first the grammar refuses would be rejected: not worth the step's budget.
-                    request.draft_token_ids = drafts[: grammar.validate_tokens(drafts)] if grammar else drafts
+                    if grammar is not None:  # drafts past the first the grammar refuses would be rejected
+                        drafts = drafts[: grammar.validate_tokens(drafts)]
+                    request.draft_token_ids = drafts
         return True
 
     def _grammars(self, scheduler_output: SchedulerOutput) -> "dict[str, llguidance.LLMatcher]":
@@ -441,7 +443,7 @@ class EngineCore:
         if first.penalties is None and grammar is None and len(request.output_token_ids) >= sampling.params.min_tokens:
             return [first] * (1 + num_drafts)
         drafts = request.draft_token_ids[:num_drafts]
-        grammars = _grammars_after_drafts(grammar, drafts) if grammar is not None else None
+        grammars = grammars_after_drafts(grammar, drafts) if grammar is not None else None
         rows, penalties = [first], first.penalties
         for ahead, draft in enumerate(drafts, start=1):
             row = self._sampling_row(request, sampling, ahead)
@@ -583,21 +585,6 @@ def _verify_drafts(
             targets = targets[: accepted + 1]
         new_tokens.append(targets)
     return new_tokens, num_accepted
-
-
-def _grammars_after_drafts(grammar: "llguidance.LLMatcher", drafts: list[int]) -> list["llguidance.LLMatcher"]:
-    """For each draft, a copy of the request's grammar matcher that has consumed the drafts up to it: the row after
-    a draft is masked as decoding would mask it had the drafts been output. Drafts come here already checked (text
-    proposals cut at the first token the grammar refuses, a draft model's proposed under the grammar); were one
-    refused all the same, the copies past it stay where the grammar last accepted, so that every row still allows
-    some token (the row before the refused draft cannot sample it: verification stops there)."""
-    num_valid = grammar.validate_tokens(drafts)
-    copies = []
-    for ahead in range(1, len(drafts) + 1):
-        copy = grammar.deep_copy()
-        copy.consume_tokens(drafts[: min(ahead, num_valid)])
-        copies.append(copy)
-    return copies
 
 
 def _keep_out_of_prefix_cache(request: Request) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.sampling_params import GrammarSpec
-from kvserve.engine.speculative import SpeculativeConfig
+from kvserve.engine.speculative import SpeculativeConfig, grammars_after_drafts
 from tests.test_draft_model import draft_config, unlike_draft  # noqa: F401 (a fixture)
 from tests.test_speculative_decoding import NGRAM, run
 from tests.test_structured_outputs import CONSTRAINTS, MAX_TOKENS, PROMPTS
@@ -76,3 +76,17 @@ def test_sampled_constrained_outputs_with_drafts_match_and_reproduce(tiny_checkp
         for _, text, reason in first.outputs:
             assert reason == "stop"
             check(text)
+
+
+def test_grammar_copies_past_a_refused_draft_stay_where_the_grammar_last_accepted(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama"]), **KV)
+    grammar = llm.engine.core.grammars.matcher(GrammarSpec("regex", r"a{1,5}"))
+    [a_token] = llm.engine.tokenizer.encode("a", add_special_tokens=False)
+    [b_token] = llm.engine.tokenizer.encode("b", add_special_tokens=False)
+    copies = grammars_after_drafts(grammar, [a_token, b_token, a_token])
+    # After "a": another "a" or the end; past the refused "b", every copy stays after "a" (never an error state).
+    for copy in copies:
+        assert not copy.is_error()
+        assert copy.validate_tokens([a_token]) == 1 and copy.validate_tokens([b_token]) == 0
+    assert copies[0].validate_tokens([a_token] * 4) == 4 and copies[0].validate_tokens([a_token] * 5) == 4
+    assert grammar.validate_tokens([a_token] * 5) == 5  # the request's own matcher consumed nothing

@@ -1,4 +1,9 @@
-"""Which draft tokens a verifying step accepts."""
+"""Which draft tokens a verifying step accepts, and the grammars its rows are masked with."""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 def num_accepted_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
@@ -16,3 +21,18 @@ def num_accepted_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]
             break
         num_accepted += 1
     return num_accepted
+
+
+def grammars_after_drafts(grammar: "llguidance.LLMatcher", drafts: list[int]) -> list["llguidance.LLMatcher"]:
+    """For each draft, a copy of the request's grammar matcher that has consumed the drafts up to it: the row after
+    a draft is masked as decoding would mask it had the drafts been output. Drafts come here already checked (text
+    proposals cut at the first token the grammar refuses, a draft model's proposed under the grammar); were one
+    refused all the same, the copies past it stay where the grammar last accepted, so that every row still allows
+    some token (the row before the refused draft cannot sample it: verification stops there)."""
+    num_valid = grammar.validate_tokens(drafts)
+    copies = []
+    for ahead in range(1, len(drafts) + 1):
+        copy = grammar.deep_copy()
+        copy.consume_tokens(drafts[: min(ahead, num_valid)])
+        copies.append(copy)
+    return copies
