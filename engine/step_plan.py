@@ -152,13 +152,16 @@ class StepPlanner:
     ) -> StepPlan:  # fmt: skip
         """The step's plan: the scheduled requests' tokens, then (to `graph_size`) padding sequences; the logits
         of each request that samples, in schedule order (a request with draft tokens: of its last token and of each
-        draft), then of `extra_logit_rows` (rows of the step's tokens).
+        draft), then of `extra_logit_rows` (rows of the step's tokens). In a step that replays a graph, a request
+        with drafts is one decode sequence per token (the same tokens, positions and cache slots; each attends to
+        its context up to its own position), so that the step is a pure decode of the graph's size.
         `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
         table_rows = self.table_rows
         for request_id in output.left_running:
             table_rows.release(request_id)
         token_ids, query_lens, seq_lens, rows, sample_rows = [], [], [], [], []
         entry_rows, entry_columns, entry_blocks = [], [], []
+        sequences_per_item = []  # 1, or a verifying decode's tokens in a graph's step (each a decode of its own)
         for item in output.scheduled:
             request, start, num_new_tokens = item.request, item.start_position, item.num_new_tokens
             end = start + num_new_tokens
@@ -170,9 +173,17 @@ class StepPlanner:
                 token_ids += request.draft_token_ids[: item.num_draft_tokens]
             else:
                 token_ids += request.token_ids(start, end)
-            query_lens.append(num_new_tokens)
-            seq_lens.append(end)
-            rows.append(table_rows.row(request, entry_rows, entry_columns, entry_blocks))
+            row = table_rows.row(request, entry_rows, entry_columns, entry_blocks)
+            if graph_size and item.num_draft_tokens:  # each token a decode, its context up to its own position
+                query_lens += [1] * num_new_tokens
+                seq_lens += range(start + 1, end + 1)
+                rows += [row] * num_new_tokens
+                sequences_per_item.append(num_new_tokens)
+            else:
+                query_lens.append(num_new_tokens)
+                seq_lens.append(end)
+                rows.append(row)
+                sequences_per_item.append(1)
             if item.num_draft_tokens:  # every row: each checks the draft after it, the last gives one more token
                 sample_rows += range(len(token_ids) - 1 - item.num_draft_tokens, len(token_ids))
             elif item.samples_next_token:
@@ -180,7 +191,8 @@ class StepPlanner:
         num_padding = graph_size - len(rows) if graph_size else 0
         sequence_lens = None
         if self.long_rope:
-            sequence_lens = np.array([item.request.num_tokens for item in output.scheduled] + [1] * num_padding)
+            whole_lens = np.repeat([item.request.num_tokens for item in output.scheduled], sequences_per_item)
+            sequence_lens = np.concatenate([whole_lens, np.ones(num_padding, dtype=np.int64)]).astype(np.int64)
         return StepPlan(
             input_ids=np.array(token_ids + [0] * num_padding, dtype=np.int64),
             query_lens=np.array(query_lens + [1] * num_padding, dtype=np.int64),
@@ -190,5 +202,7 @@ class StepPlanner:
             table_entries=np.array([entry_rows, entry_columns, entry_blocks], dtype=np.int64).reshape(3, -1),
             sequence_lens=sequence_lens,
             graph_size=graph_size,
-            lora_slots=None if lora_slots is None else np.array(lora_slots + [-1] * num_padding, dtype=np.int64),
+            lora_slots=None
+            if lora_slots is None
+            else np.concatenate([np.repeat(lora_slots, sequences_per_item), np.full(num_padding, -1)]).astype(np.int64),
         )

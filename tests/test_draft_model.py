@@ -16,6 +16,7 @@ from tests.conftest import TINY_CONFIGS
 from tests.test_speculative_decoding import (
     BLOCK_BYTES,
     GREEDY,
+    NGRAM,
     copy_heavy_prompts,
     run,
     sampled_pairs_without_and_with_drafts,
@@ -246,3 +247,29 @@ def test_the_server_takes_default_and_serves_the_built_in_model_with_its_draft()
         assert completion.choices[0].text == expected[0].text
         assert server.metric("spec_decode_num_accepted_tokens_total") > 0
         assert server.metric("spec_decode_num_draft_tokens_total") <= 4 * server.metric("spec_decode_num_drafts_total")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verifying_steps_replay_decode_graphs(tiny_checkpoints, perturbed_draft, method):
+    # A verifying step is a pure decode of its tokens (each its own decode, its context up to its position), so it
+    # replays the graph of its token count (eagerly here, as a CUDA graph on a GPU), with the eager engine's tokens
+    # and logprobs.
+    if torch.cuda.is_available():
+        pytest.skip("a GPU replays real CUDA graphs (benchmarks/gpu_check.sh, step speculative)")
+    from tests.test_parity import recorded_graph_replays
+
+    model = str(tiny_checkpoints["llama"])
+    config = NGRAM if method == "ngram" else draft_config(perturbed_draft)
+    prompts = copy_heavy_prompts(3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    settings = {"max_num_seqs": 12, **KV}
+    expected = run(LLM(model, **settings), prompts, params)
+    llm = LLM(model, eager_graph_replay=True, speculative_config=config, **settings)
+    replays = recorded_graph_replays(llm)
+    speculated = run(llm, prompts, params)
+    assert speculated.outputs == expected.outputs and speculated.num_accepted > 0
+    assert max(replays) >= 8  # steps of three requests with up to 3 drafts each (12 tokens) were replayed
+    for deltas, reference in zip(speculated.deltas.values(), expected.deltas.values(), strict=True):
+        got = [entry.logprob for delta in deltas for entry in delta.logprobs]
+        want = [entry.logprob for delta in reference for entry in delta.logprobs]
+        assert got == pytest.approx(want, abs=1e-4)
