@@ -40,8 +40,9 @@ def unlike_draft(tmp_path_factory, tokenizer):
 
 
 def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_model):
-    # The draft's KV is filled lazily (whole prompt first, then the tokens after its accepted drafts): were a slot
-    # missed or a rejected draft's KV kept, the draft would diverge from the target and drafts would be rejected.
+    # The draft's KV is filled lazily (whole prompt first, then the tokens after its accepted drafts): were a token
+    # never run through the draft, or run into the wrong slot, the draft would diverge from the target and its
+    # drafts be rejected. (Rejections, which this draft never has, are test_every_proposal_is_the_drafts_....)
     prompts = [[(5 * i + 3 * j) % 300 + 20 for j in range(9 + i)] for i in range(4)]
     plain = run(LLM(str(tiny_model), **KV), prompts, GREEDY)
     llm = LLM(str(tiny_model), speculative_config=draft_config(tiny_model), **KV)
