@@ -269,6 +269,7 @@ class EngineCore:
                     scheduler_output.scheduled, self._grammars(scheduler_output), self._token_masks
                 )
         if scheduler_output.is_empty:
+            self.runner.release(scheduler_output.left_running)  # no plan carries them to the planner
             return EMPTY_STEP
         if self.pooler is not None:
             return self._embedding_step(scheduler_output)

@@ -216,3 +216,18 @@ def test_positions_and_slots_on_the_host_equal_the_device_derivation(long_rope):
         torch.arange(num_tokens), torch.arange(6), long_rope, torch.from_numpy(sequence_lens),
     )  # fmt: skip
     assert positions.tolist() == want_positions.tolist() and slots.tolist() == want_slots.tolist()
+
+
+def test_a_step_that_runs_nothing_frees_the_rows_of_requests_that_left(tiny_checkpoints):
+    # Requests aborted between steps leave with the next scheduler output; when that output runs nothing, no plan
+    # carries them to the planner, and their block-table rows must be freed all the same (else the next requests
+    # find no row).
+    llm = LLM(str(tiny_checkpoints["llama"]), max_num_seqs=2, kv_cache_memory_bytes=1 << 20)
+    core = llm.engine.core
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in range(3):  # with the rows of one round kept, the next round's requests would find none
+        request_ids = [llm.engine.add_request([5 + i, 6, 7], params) for i in range(2)]
+        assert len(core.step().scheduled.scheduled) == 2  # the prompts run: each request takes a row
+        for request_id in request_ids:
+            core.finish(request_id)
+        assert core.step().scheduled.is_empty
