@@ -150,7 +150,10 @@ class EngineCore:
             # A draft past the original context would need the long rotary set before the request is that long.
             raise ValueError("speculative_config is not supported with LongRoPE models (Phi-3 long-context) yet")
         proposer = make_proposer(config) if config.method != "draft_model" else None
-        return proposer, SpeculationController(config.num_speculative_tokens, config.adaptive)
+        controller = SpeculationController(
+            config.num_speculative_tokens, config.adaptive, drafts_catch_up=config.method == "draft_model"
+        )
+        return proposer, controller
 
     def _start_kv_events(self, config: EngineConfig) -> "KVEventPublisher | None":
         if config.kv_events_endpoint is None:
@@ -325,10 +328,14 @@ class EngineCore:
                     break
         if self.kv_events is not None:
             self._publish_kv_events()
-        if self.speculation is not None and len(sampling) == len(scheduler_output.scheduled) == (
-            scheduler_output.num_batched_tokens - num_draft_rows
-        ):  # a pure decode step: its rate, for deciding whether to speculate at this batch size
-            self.speculation.stepped(len(sampling), speculating, len(outputs), time.perf_counter() - start_s)
+        if self.speculation is not None:  # its rate, for deciding whether to speculate at this batch size
+            pure_decode = (
+                len(sampling)
+                == len(scheduler_output.scheduled)
+                == (scheduler_output.num_batched_tokens - num_draft_rows)
+            )
+            elapsed_s = time.perf_counter() - start_s
+            self.speculation.stepped(len(sampling), speculating, len(outputs), elapsed_s, pure_decode)
         return StepResult(outputs, scheduler_output, sum(num_accepted))
 
     def _propose_drafts(self) -> bool:

@@ -113,6 +113,34 @@ def test_speculation_runs_at_the_batch_sizes_where_measured_steps_gain():
     assert made[8:].count(True) == 31  # one exploring step without
 
 
+def test_with_a_draft_model_the_step_that_catches_the_draft_up_is_not_measured():
+    """A step with drafts after one without first runs the tokens decoded since through the draft (slow here: 50
+    tokens/s); steps with drafts in a row are fast (300 tokens/s, plain ones 100). Judged on its first steps, a draft
+    model would lose for good (every try is a first step); the controller measures the second of a try."""
+
+    def decisions(controller: SpeculationController, rate_in_a_row: float, num_steps: int = 300) -> list[bool]:
+        made = []
+        for _ in range(num_steps):
+            drafting = controller.speculates(4)
+            rate = (rate_in_a_row if made and made[-1] else 50.0) if drafting else 100.0
+            made.append(drafting)
+            controller.stepped(4, drafting, num_tokens=4, elapsed_s=4 / rate)
+        return made
+
+    made = decisions(SpeculationController(max_drafts=4, drafts_catch_up=True), rate_in_a_row=300.0)
+    assert made[:12] == [True, True, False] * 4  # each way measured four times, a try of drafts being two steps
+    # Then plain steps only to stay measured (the drafting step after each catches up, unmeasured).
+    assert [index for index, drafting in enumerate(made) if not drafting][4:] == [
+        12 + 31,
+        12 + 31 + 64,
+        12 + 31 + 64 + 128,
+    ]
+    assert not any(decisions(SpeculationController(max_drafts=4), rate_in_a_row=300.0)[8:39])  # judged on catch-ups
+    losing = decisions(SpeculationController(max_drafts=4, drafts_catch_up=True), rate_in_a_row=80.0)
+    tried = [index for index, drafting in enumerate(losing) if drafting][8:]
+    assert tried and tried[::2] == [index - 1 for index in tried[1::2]]  # tries of two steps in a row
+
+
 def test_speculative_config_is_checked():
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig(method="eagle")
