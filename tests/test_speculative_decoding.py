@@ -136,9 +136,31 @@ def test_with_a_draft_model_the_step_that_catches_the_draft_up_is_not_measured()
         12 + 31 + 64 + 128,
     ]
     assert not any(decisions(SpeculationController(max_drafts=4), rate_in_a_row=300.0)[8:39])  # judged on catch-ups
-    losing = decisions(SpeculationController(max_drafts=4, drafts_catch_up=True), rate_in_a_row=80.0)
+    losing = decisions(SpeculationController(max_drafts=4, drafts_catch_up=True), rate_in_a_row=80.0, num_steps=800)
     tried = [index for index, drafting in enumerate(losing) if drafting][8:]
     assert tried and tried[::2] == [index - 1 for index in tried[1::2]]  # tries of two steps in a row
+    # A catch-up step takes two plain steps' time: for tries to cost at most 2% of the time, the first comes 100
+    # steps after the measuring in turn (which ends at step 11), then 200 and 400 after each try's second step.
+    assert tried[::2] == [11 + 100, 11 + 100 + 1 + 200, 11 + 100 + 1 + 200 + 1 + 400]
+
+
+def test_a_draining_batch_does_not_switch_drafts_on():
+    """A plain step takes 5 ms at any batch size from 17 to 32 (one power of two), a step with drafts 30 ms for four
+    tokens a request: drafts lose at every size. As the batch drains, plain steps give fewer tokens a second; compared
+    by tokens a second alone, the plain rate would fall towards 17 / 5 ms, below what drafts measured at 32 (128 /
+    30 ms), and turn drafts on."""
+    controller = SpeculationController(max_drafts=4)
+
+    def steps(sizes) -> list[bool]:
+        made = []
+        for num_decoding in sizes:
+            made.append(controller.speculates(num_decoding))
+            num_tokens = num_decoding * (4 if made[-1] else 1)
+            controller.stepped(num_decoding, made[-1], num_tokens, elapsed_s=0.030 if made[-1] else 0.005)
+        return made
+
+    assert steps([32] * 600).count(True) == 4 + 4  # measured in turn, then tried after 32, 64, 128 and 256 steps
+    assert not any(steps([*range(31, 16, -1), *[17] * 20, *[32] * 10]))  # the next try is due after 512 steps
 
 
 def test_speculative_config_is_checked():
