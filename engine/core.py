@@ -335,7 +335,9 @@ class EngineCore:
                 == (scheduler_output.num_batched_tokens - num_draft_rows)
             )
             elapsed_s = time.perf_counter() - start_s
-            self.speculation.stepped(len(sampling), speculating, len(outputs), elapsed_s, pure_decode)
+            # A step that verified no drafts (none proposed: no match yet, no room) ran as a plain one.
+            with_drafts = speculating and num_draft_rows > 0
+            self.speculation.stepped(len(sampling), with_drafts, len(outputs), elapsed_s, pure_decode)
         return StepResult(outputs, scheduler_output, sum(num_accepted))
 
     def _propose_drafts(self) -> bool:

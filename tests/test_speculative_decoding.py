@@ -66,7 +66,7 @@ def test_a_request_gets_as_many_drafts_as_its_acceptance_earns():
     assert controller.num_drafts("r") == 5
     for _ in range(40):
         controller.verified("s", 4, 1)  # one accepted, the next rejected: a chance of 1/2 a draft
-    assert controller.num_drafts("s") == 2  # the second draft has a 1/4 chance of being used; a third, 1/8
+    assert controller.num_drafts("s") == 3  # the third draft has a 1/8 chance of being used; a fourth, 1/16
     controller.forget("r")
     assert controller.num_drafts("r") == 5
     assert SpeculationController(max_drafts=5, adaptive=False).num_drafts("s") == 5
@@ -283,6 +283,18 @@ def test_no_drafts_in_a_step_while_prompt_tokens_wait_for_its_budget(tiny_checkp
         num_accepted += result.num_accepted_draft_tokens
         engine.process(result)
     assert num_mixed_steps > 0 and num_accepted > 0
+
+
+def test_a_step_that_verifies_no_drafts_is_measured_as_a_plain_one(tiny_checkpoints):
+    """Prompt lookup finds nothing in a prompt of distinct tokens, so the steps the controller gives drafts verify
+    none: they ran as plain steps and are measured as such (counted as steps with drafts, they made drafts look no
+    better than plain steps while a request had no match yet, and turned speculation off at one request)."""
+    llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=NGRAM, max_num_seqs=1, kv_cache_memory_bytes=4 << 20)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    result = run(llm, [list(range(20, 60))], params)
+    assert result.num_drafts == 0  # nothing proposed: the generated tokens did not repeat a pair either
+    rates = llm.engine.core.speculation._rates[1]  # the batch size of one's measured steps
+    assert (rates.with_drafts.num_steps, rates.without_drafts.num_steps) == (0, 2)  # the first token is the prompt's
 
 
 def test_prefix_cache_holds_only_accepted_tokens(tiny_checkpoints):
