@@ -18,8 +18,7 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         """These requests left the running batch in a step that runs nothing: their block-table rows are free (a step
         that runs something frees them as it plans)."""
-        for request_id in request_ids:
-            self.planner.table_rows.release(request_id)
+        self.planner.table_rows.release(request_ids)
 
     def execute(
         self, output: SchedulerOutput, extra_logit_rows: list[int] | None = None, lora_slots: list[int] | None = None

@@ -113,10 +113,12 @@ class BlockTableRows:
         self._row_of: dict[str, int] = {}
         self._num_written = [0] * max_num_seqs
 
-    def release(self, request_id: str) -> None:
-        row = self._row_of.pop(request_id, None)
-        if row is not None:
-            self._free_rows.append(row)
+    def release(self, request_ids: list[str]) -> None:
+        """These requests left the running batch: their rows are free (requests without one are passed over)."""
+        for request_id in request_ids:
+            row = self._row_of.pop(request_id, None)
+            if row is not None:
+                self._free_rows.append(row)
 
     def row(self, request: Request, entry_rows: list, entry_columns: list, entry_blocks: list) -> int:
         """The request's row, with the blocks the scheduler gave it since it was last planned added to the entries."""
@@ -157,8 +159,7 @@ class StepPlanner:
         its context up to its own position), so that the step is a pure decode of the graph's size.
         `lora_slots`: each scheduled request's adapter slot (-1: the base model), when the engine serves adapters."""
         table_rows = self.table_rows
-        for request_id in output.left_running:
-            table_rows.release(request_id)
+        table_rows.release(output.left_running)
         token_ids, query_lens, seq_lens, rows, sample_rows = [], [], [], [], []
         entry_rows, entry_columns, entry_blocks = [], [], []
         sequences_per_item = []  # 1, or a verifying decode's tokens in a graph's step (each a decode of its own)

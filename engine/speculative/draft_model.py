@@ -119,8 +119,8 @@ class DraftModel:
 
     def release(self, request_ids: list[str]) -> None:
         """These requests left the running batch: their blocks, and so their draft KV, are gone."""
+        self.table_rows.release(request_ids)
         for request_id in request_ids:
-            self.table_rows.release(request_id)
             self._kv.pop(request_id, None)
 
     @torch.inference_mode()
