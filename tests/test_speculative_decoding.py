@@ -1,6 +1,7 @@
 """Speculative decoding with prompt-lookup (n-gram) drafts: the proposer, the acceptance rule, and greedy outputs
 token for token those of decoding without drafts, on every scheduling path, with drafts really accepted."""
 
+import random
 from collections import Counter
 from dataclasses import dataclass
 
@@ -46,6 +47,35 @@ def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_ngr
     assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
     assert proposer.propose([1, 2], 3) == []  # too short to hold an earlier n-gram
     assert proposer.propose([1, 2, 1, 2], 0) == []
+
+
+def reference_lookup(token_ids: list[int], max_tokens: int, min_n: int, max_n: int) -> list[int]:
+    """The proposer's rule written out plainly: the largest n whose last-n tokens occurred earlier (with a token
+    after), its latest occurrence, and the text from there on repeated with that occurrence's period."""
+    length = len(token_ids)
+    for n in range(max_n, min_n - 1, -1):
+        starts = [s for s in range(length - n) if token_ids[s : s + n] == token_ids[length - n :]]
+        if starts and length > min_n and max_tokens > 0:
+            period = length - n - starts[-1]
+            text = list(token_ids)
+            for _ in range(max_tokens):
+                text.append(text[len(text) - period])
+            return text[length:]
+    return []
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 1), (1, 3), (2, 4), (3, 5)])
+def test_the_proposer_matches_the_rule_written_out_on_random_texts(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    proposer = NgramProposer(
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+    )
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 20])  # small vocabularies repeat n-grams often, at every size
+        token_ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        max_tokens = rng.randint(0, 6)
+        expected = reference_lookup(token_ids, max_tokens, min_n, max_n)
+        assert proposer.propose(token_ids, max_tokens) == expected, (token_ids, max_tokens)
 
 
 def test_greedy_acceptance_takes_drafts_while_each_equals_the_models_choice():
