@@ -76,22 +76,31 @@ class SuffixProposer:
         match_len = int(lengths.max())
         ends = ends[lengths == match_len]
         limit = min(max_tokens, int(self.max_spec_factor * match_len))
+        if limit < 1:
+            return Proposal.none()
+        # The `limit` tokens after each occurrence, read at once; then the walk over the few occurrences a match
+        # leaves runs on Python lists, where a numpy call a token cost more than the work (a proposal from a
+        # 300-token request and a pool of 7 outputs: 91-98 us against 114-120 us). In the request's own text the
+        # latest occurrences may run into the proposal itself, from step `len(text) - end - 1` on: a loop then goes
+        # on with its period, as the text would if it repeated.
+        after = text[np.minimum(ends[:, None] + np.arange(1, limit + 1), len(text) - 1)].tolist()
+        occurrences = list(zip(after, (len(text) - ends - 1).tolist(), strict=True))
         proposal, expected, likelihood = [], 0.0, 1.0
-        while len(proposal) < limit:
-            # What followed each occurrence. In the request's own text the latest occurrence may run into the
-            # proposal itself: a loop then goes on with its period, as the text would if it repeated.
-            following = text[np.minimum(ends + 1, len(text) - 1)]
-            past_end = ends + 1 >= len(text)
-            if past_end.any():
-                following[past_end] = np.asarray(proposal, dtype=np.int64)[ends[past_end] + 1 - len(text)]
-            token, count = _most_frequent(following.tolist())
-            frequency = count / ends.size
+        for step in range(limit):
+            following = [
+                next_tokens[step] if step < past_end else proposal[step - past_end]
+                for next_tokens, past_end in occurrences
+            ]
+            token, count = _most_frequent(following)
+            frequency = count / len(occurrences)
             if token == END or frequency < self.min_token_prob:
                 break
             likelihood *= frequency
             expected += likelihood
             proposal.append(token)
-            ends = ends[following == token] + 1
+            occurrences = [
+                occurrence for occurrence, value in zip(occurrences, following, strict=True) if value == token
+            ]
         return Proposal(proposal, expected)
 
 
