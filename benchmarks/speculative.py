@@ -10,8 +10,7 @@ an engine of c sequences, greedy, 128 tokens each (EOS ignored); the engines wit
 their order flipped each round. Printed per run: output tokens/s; in the table the medians, the speed-up as the
 median of the rounds' ratios (the runs of a round ran side by side), and with drafts the median over the rounds of a
 run's mean acceptance length (tokens a request gets from one verifying step: 1 + accepted drafts; its range beside
-it) and of the share of drafts accepted. The outputs
-of all engines are checked to be equal before timing.
+it) and of the share of drafts accepted. The outputs of all engines are checked to be equal before timing.
 
 With `--control`, a second engine without drafts runs in every round beside the first: its ratios to the first are
 this machine's spread between two identical engines, the floor under which a speed-up means nothing.
