@@ -335,8 +335,9 @@ class EngineCore:
                 == (scheduler_output.num_batched_tokens - num_draft_rows)
             )
             elapsed_s = time.perf_counter() - start_s
-            # A step that verified no drafts (none proposed: no match yet, no room) ran as a plain one.
-            with_drafts = speculating and num_draft_rows > 0
+            # Measured by what it verified: a step the controller gave drafts but that had none (no match yet, no
+            # room) ran as a plain one. (Drafts are cleared each step, so only a speculating step has any.)
+            with_drafts = num_draft_rows > 0
             self.speculation.stepped(len(sampling), with_drafts, len(outputs), elapsed_s, pure_decode)
         return StepResult(outputs, scheduler_output, sum(num_accepted))
 
